@@ -1,0 +1,1 @@
+"""lightning_pp: pipeline and expert parallelism for PyTorch Lightning and Fabric."""

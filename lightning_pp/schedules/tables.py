@@ -1,0 +1,205 @@
+"""Per-rank action tables for every schedule, and the rules that make a configuration valid.
+
+This module is the one place that decides the order of compute on each pipeline rank. The runtime
+executes these lists, the monitor compares measurements to their simulation, and the CLI prints
+them; nothing else invents an order.
+
+Schedules (``pp`` = pipeline ranks, ``vp`` = chunks per rank, ``m`` = microbatches):
+
+``gpipe``
+    All forwards, then all backwards. Baseline; holds every microbatch's activations.
+``1f1b``
+    ``vp == 1``. Rank ``r`` warms up with ``min(pp - r - 1, m)`` forwards, then alternates one
+    forward and one backward, then drains the remaining backwards. Stage ``r`` keeps at most
+    ``min(pp - r, m)`` microbatches in flight.
+``interleaved``
+    ``vp >= 2``. Megatron's interleaved 1F1B: microbatches are taken in groups of
+    ``microbatch_group_size`` (default ``pp``), every microbatch of a group runs chunk 0, then chunk
+    1, ...; backwards mirror this with the chunk order reversed. Warm-up on rank ``r`` is
+    ``2 * (pp - r - 1) + (vp - 1) * group``.
+``combined_1f1b``
+    Same tables as ``1f1b`` (``vp == 1``) or ``interleaved`` (``vp >= 2``) with one extra warm-up
+    forward, and every steady-state forward/backward pair merged into one ``FB`` action so that
+    the forward of one microbatch can overlap the backward of another. The extra warm-up makes the
+    two halves of each ``FB`` independent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_pp.schedules.actions import Action, backward, forward, forward_backward
+
+SCHEDULES = ("1f1b", "interleaved", "combined_1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """A validated pipeline configuration. Build it with :func:`make_config` (or call
+    :meth:`validate`) so that bad input is rejected with a message before anything runs."""
+
+    schedule: str
+    pp: int
+    vp: int
+    microbatches: int
+    microbatch_group_size: Optional[int] = None  # interleaved grouping; None -> pp
+
+    @property
+    def group_size(self) -> int:
+        return self.microbatch_group_size if self.microbatch_group_size is not None else self.pp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vp
+
+    @property
+    def is_interleaved(self) -> bool:
+        """Whether the table uses Megatron's grouped interleaved order."""
+        return self.schedule == "interleaved" or (self.schedule == "combined_1f1b" and self.vp > 1)
+
+    def validate(self) -> "ScheduleConfig":
+        _validate(self)
+        return self
+
+
+def make_config(
+    schedule: str,
+    pp: int,
+    vp: int = 1,
+    microbatches: Optional[int] = None,
+    microbatch_group_size: Optional[int] = None,
+) -> ScheduleConfig:
+    """Validated :class:`ScheduleConfig`; ``microbatches`` defaults to ``2 * pp``."""
+    if microbatches is None:
+        microbatches = 2 * pp if isinstance(pp, int) else pp
+    return ScheduleConfig(schedule, pp, vp, microbatches, microbatch_group_size).validate()
+
+
+def _positive(name: str, value, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer (>= 1). {hint}")
+
+
+def _validate(cfg: ScheduleConfig) -> None:
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(
+            f"schedule={cfg.schedule!r} is not a known schedule: choose one of {', '.join(SCHEDULES)}."
+        )
+    _positive("pipeline_parallel_size (pp)", cfg.pp, "Use pp=1 for no pipelining.")
+    _positive("virtual_pipeline_size (vp)", cfg.vp, "Use vp=1 for one chunk per rank.")
+    _positive(
+        "num_microbatches",
+        cfg.microbatches,
+        f"Use at least pp={cfg.pp if isinstance(cfg.pp, int) else '?'} microbatches, e.g. 2 * pp.",
+    )
+    if cfg.schedule == "1f1b" and cfg.vp != 1:
+        raise ValueError(
+            f"virtual_pipeline_size={cfg.vp} is invalid for schedule='1f1b': 1F1B runs one chunk "
+            f"per rank (vp=1). Use schedule='interleaved' for vp={cfg.vp}, or set vp=1."
+        )
+    if cfg.schedule == "interleaved" and cfg.vp < 2:
+        raise ValueError(
+            f"virtual_pipeline_size={cfg.vp} is invalid for schedule='interleaved': interleaving "
+            f"needs at least 2 chunks per rank. Use vp=2, or schedule='1f1b' for vp=1."
+        )
+    if cfg.microbatch_group_size is not None:
+        _positive("microbatch_group_size", cfg.microbatch_group_size, f"Use the default (pp={cfg.pp}).")
+        if not cfg.is_interleaved:
+            raise ValueError(
+                f"microbatch_group_size={cfg.microbatch_group_size} only applies to interleaved "
+                f"schedules (vp >= 2), not schedule={cfg.schedule!r} with vp={cfg.vp}. Leave it unset."
+            )
+    if cfg.is_interleaved:
+        m, p, n = cfg.microbatches, cfg.pp, cfg.group_size
+        if n < p:
+            raise ValueError(
+                f"microbatch_group_size={n} is invalid for pp={p}: an interleaved group must hold at "
+                f"least pp microbatches (group >= pp) or the ring of stages stalls. Use "
+                f"microbatch_group_size={p}."
+            )
+        if m < p:
+            raise ValueError(
+                f"num_microbatches={m} is invalid for schedule={cfg.schedule!r} with pp={p}, vp={cfg.vp}: "
+                f"interleaving needs num_microbatches >= pp. Use num_microbatches={p} (or {2 * p})."
+            )
+        if cfg.microbatch_group_size is not None and n > m:
+            raise ValueError(
+                f"microbatch_group_size={n} is larger than num_microbatches={m}: a group cannot hold "
+                f"more microbatches than the step has. Use microbatch_group_size<={m}, e.g. {p}."
+            )
+        n = min(n, m)
+        remainder = m % n
+        if remainder != 0 and remainder < p:
+            fix_up = m + (p - remainder)
+            fix_down = m - remainder
+            raise ValueError(
+                f"num_microbatches={m} is invalid for schedule={cfg.schedule!r} with pp={p}, "
+                f"microbatch_group_size={n}: the last group would hold {remainder} microbatches, and a "
+                f"partial group must hold 0 or at least pp={p} (num_microbatches % group in "
+                f"{{0}} or [{p}, {n})). Use num_microbatches={fix_down} or {fix_up}."
+            )
+
+
+def interleaved_table(microbatches: int, vp: int, group_size: int) -> list[tuple[int, int]]:
+    """Megatron's forward order of (microbatch, chunk) for one rank: groups of ``group_size``
+    microbatches; inside a group every microbatch on chunk 0, then on chunk 1, ..."""
+    table = []
+    for start in range(0, microbatches, group_size):
+        group = range(start, min(start + group_size, microbatches))
+        for chunk in range(vp):
+            table.extend((mb, chunk) for mb in group)
+    return table
+
+
+def warmup_count(cfg: ScheduleConfig, rank: int) -> int:
+    """Forwards rank ``rank`` runs before its first backward (before the steady state)."""
+    total = cfg.microbatches * cfg.vp
+    if cfg.schedule == "gpipe":
+        return total
+    if cfg.is_interleaved:
+        warmup = 2 * (cfg.pp - rank - 1) + (cfg.vp - 1) * min(cfg.group_size, cfg.microbatches)
+    else:
+        warmup = cfg.pp - rank - 1
+    if cfg.schedule == "combined_1f1b":
+        warmup += 1
+    return min(warmup, total)
+
+
+def _forward_order(cfg: ScheduleConfig) -> list[tuple[int, int]]:
+    if cfg.is_interleaved:
+        return interleaved_table(cfg.microbatches, cfg.vp, min(cfg.group_size, cfg.microbatches))
+    # Chunk-major: every microbatch through chunk 0, then chunk 1, ... (vp == 1 for 1f1b).
+    return [(mb, chunk) for chunk in range(cfg.vp) for mb in range(cfg.microbatches)]
+
+
+def rank_actions(cfg: ScheduleConfig, rank: int, forward_only: bool = False) -> list[Action]:
+    """The ordered actions of pipeline rank ``rank``.
+
+    ``forward_only`` gives the evaluation/prediction order: every forward in the schedule's
+    forward order and nothing else.
+    """
+    if not 0 <= rank < cfg.pp:
+        raise ValueError(f"rank={rank} is out of range for pp={cfg.pp}: use 0 <= rank < {cfg.pp}.")
+    fwd = _forward_order(cfg)
+    if forward_only:
+        return [forward(mb, chunk) for mb, chunk in fwd]
+    # Backward order mirrors the forward order with the chunk order reversed.
+    bwd = [(mb, cfg.vp - 1 - chunk) for mb, chunk in fwd]
+    total = len(fwd)
+    warmup = warmup_count(cfg, rank)
+    actions = [forward(*fwd[k]) for k in range(warmup)]
+    steady = total - warmup
+    for k in range(steady):
+        if cfg.schedule == "combined_1f1b":
+            actions.append(forward_backward(fwd[k + warmup], bwd[k]))
+        else:
+            actions.append(forward(*fwd[k + warmup]))
+            actions.append(backward(*bwd[k]))
+    actions.extend(backward(*bwd[k]) for k in range(steady, total))
+    return actions
+
+
+def all_rank_actions(cfg: ScheduleConfig, forward_only: bool = False) -> list[list[Action]]:
+    """Action lists of every pipeline rank, index = rank."""
+    return [rank_actions(cfg, rank, forward_only) for rank in range(cfg.pp)]
