@@ -1,0 +1,79 @@
+"""Distributed pipeline runtime: topology, model cutting, stage boundaries, executor.
+
+Knows torch and torch.distributed, never Lightning.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_pp.runtime.executor import DEFAULT_TIMEOUT, PipelineExecutor, StepResult, normalise_loss
+from lightning_pp.runtime.failure import FailureBoard, PipelineError
+from lightning_pp.runtime.microbatch import split_microbatches
+from lightning_pp.runtime.p2p import PipelineCommError
+from lightning_pp.runtime.partition import (
+    Layout,
+    NotOnThisStage,
+    Partition,
+    StageChunk,
+    check_protocol,
+    cut_model,
+    parse_layout_string,
+    resolve_layout,
+)
+from lightning_pp.runtime.topology import ParallelDims, Topology, build_topology
+from lightning_pp.schedules import make_config
+
+
+def build_pipeline(
+    module: nn.Module,
+    pipeline_parallel_size: int,
+    virtual_pipeline_size: int = 1,
+    num_microbatches: Optional[int] = None,
+    schedule: str = "1f1b",
+    expert_parallel_size: int = 1,
+    layout: Layout = None,
+    microbatch_group_size: Optional[int] = None,
+    device: torch.device = torch.device("cpu"),
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    topology: Optional[Topology] = None,
+) -> PipelineExecutor:
+    """Validate the configuration, build the groups, cut ``module`` in place and return the
+    executor for this rank. Every check that can fail does so before any group is created."""
+    check_protocol(module)
+    config = make_config(schedule, pipeline_parallel_size, virtual_pipeline_size, num_microbatches, microbatch_group_size)
+    if topology is None:
+        ParallelDims(torch.distributed.get_world_size(), pipeline_parallel_size, expert_parallel_size).check()
+        resolve_layout(layout, len(list(module.pipeline_layers())), config.num_stages)
+        topology = build_topology(pipeline_parallel_size, expert_parallel_size, device.type)
+    partition = cut_model(module, config.pp, config.vp, topology.pp_rank, layout)
+    module.to(device)
+    return PipelineExecutor(module, partition, topology, config, device=device, timeout=timeout)
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "FailureBoard",
+    "Layout",
+    "NotOnThisStage",
+    "ParallelDims",
+    "Partition",
+    "PipelineCommError",
+    "PipelineError",
+    "PipelineExecutor",
+    "StageChunk",
+    "StepResult",
+    "Topology",
+    "build_pipeline",
+    "build_topology",
+    "check_protocol",
+    "cut_model",
+    "normalise_loss",
+    "parse_layout_string",
+    "resolve_layout",
+    "split_microbatches",
+]

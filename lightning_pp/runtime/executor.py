@@ -1,0 +1,304 @@
+"""Runs one rank's action list over its model chunks.
+
+One training step:
+
+1. the batch is split into microbatches along dim 0;
+2. the rank's actions (from :mod:`lightning_pp.schedules`) run in order; a forward receives its
+   input from the previous virtual stage (or calls ``pipeline_inputs`` on the first stage), runs
+   the chunk and sends the output on (or calls ``pipeline_loss`` on the last stage); a backward
+   receives the output gradient, runs autograd through the chunk and sends the input gradient back;
+3. data-parallel reductions are launched as each chunk finishes its backward;
+4. the loss sum and sample count are all-reduced, which gives every rank the batch loss and the
+   normaliser, and the gradients are divided by the global count.
+
+Loss normalisation: a ``pipeline_loss`` that returns a mean is weighted by its microbatch's sample
+count; one that returns ``(loss_sum, count)`` is divided by the global count over all
+microbatches and data-parallel ranks. Either way the gradients equal those of the whole batch on
+one device.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pp.runtime.failure import FailureBoard, PipelineError, add_note
+from lightning_pp.runtime.grads import GradientSync
+from lightning_pp.runtime.microbatch import batch_size, split_microbatches
+from lightning_pp.runtime.p2p import PipelineCommError, PointToPoint
+from lightning_pp.runtime.partition import Partition, default_pipeline_inputs
+from lightning_pp.runtime.topology import Topology
+from lightning_pp.schedules import Action, ScheduleConfig, rank_actions
+from lightning_pp.schedules.messages import Message, send_order
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)
+
+
+@dataclass
+class StepResult:
+    """What a pipelined step returns on every rank."""
+
+    loss: Optional[torch.Tensor]  # batch loss (global weighted mean), same on every rank
+    num_samples: float  # global normaliser: samples, or the counts returned by pipeline_loss
+    outputs: list = field(default_factory=list)  # last stage, forward-only: per-microbatch outputs
+
+
+def _as_tensors(value: Any, where: str) -> tuple[tuple[torch.Tensor, ...], bool]:
+    if isinstance(value, torch.Tensor):
+        return (value,), False
+    if isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return value, True
+    raise TypeError(
+        f"{where} returned a {type(value).__name__}; between pipeline stages a layer must return a "
+        f"tensor or a tuple of tensors (the next layer gets the tuple unpacked). Return tensors only."
+    )
+
+
+def _backward(roots: list[torch.Tensor], grads: list[Optional[torch.Tensor]]) -> None:
+    """Autograd from ``roots``. Goes through the engine directly so that roots whose storage was
+    released after sending (see ``_release``) pass: the shape check is done against the graph's
+    recorded metadata, which the received gradients match."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        tuple(roots), tuple(grads), False, False, (), True, True
+    )
+
+
+def _release(tensors: tuple[torch.Tensor, ...]) -> None:
+    """Drop the storage of sent stage outputs; backward only needs their ``grad_fn``. The send
+    holds its own reference to the storage until it completes."""
+    for t in tensors:
+        if t.requires_grad and t._base is None and t.grad_fn is not None:
+            t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+
+
+def normalise_loss(value: Any, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_sum, count) from what ``pipeline_loss`` returned."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        loss_sum, count = value
+        if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:
+            raise ValueError(
+                f"pipeline_loss returned a pair whose first item is {type(loss_sum).__name__}"
+                f"{'' if not isinstance(loss_sum, torch.Tensor) else ' of shape ' + str(tuple(loss_sum.shape))}: "
+                f"it must be a scalar tensor (the loss summed over the microbatch), with the count second."
+            )
+        count = torch.as_tensor(count, dtype=torch.float64).reshape(())
+        return loss_sum.reshape(()), count
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"pipeline_loss returned {shape}: it must return a scalar tensor (the microbatch's mean "
+            f"loss) or a (loss_sum, count) pair. Reduce the loss, e.g. with .mean()."
+        )
+    return value.reshape(()) * samples, torch.tensor(float(samples), dtype=torch.float64)
+
+
+class PipelineExecutor:
+    """Executes the schedule for one rank. Holds no Lightning state; strategies wrap it."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        partition: Partition,
+        topology: Topology,
+        config: ScheduleConfig,
+        device: torch.device = torch.device("cpu"),
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        loss_fn: Optional[Callable] = None,
+        inputs_fn: Optional[Callable] = None,
+        board: Optional[FailureBoard] = None,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        self.module = module
+        self.partition = partition
+        self.topology = topology
+        self.config = config
+        self.device = device
+        self.loss_fn = loss_fn or module.pipeline_loss
+        self.inputs_fn = inputs_fn or getattr(module, "pipeline_inputs", None) or default_pipeline_inputs
+        self.board = board if board is not None else FailureBoard()
+        self.pp_rank = topology.pp_rank
+        self.num_stages = config.num_stages
+        self.actions = rank_actions(config, self.pp_rank)
+        self.eval_actions = rank_actions(config, self.pp_rank, forward_only=True)
+        neighbours = {(self.pp_rank - 1) % config.pp, (self.pp_rank + 1) % config.pp} - {self.pp_rank}
+        self.expected = {
+            forward_only: {
+                src: send_order(config, src, rank_actions(config, src, forward_only), self.pp_rank)
+                for src in neighbours
+            }
+            for forward_only in (False, True)
+        }
+        self.p2p = PointToPoint(topology.pp_group, topology.global_rank, device, timeout, topology.describe)
+        self.grad_sync = GradientSync(partition, topology, self.actions)
+        if broadcast_parameters:
+            self.grad_sync.broadcast_parameters()
+        self._current: Optional[Action] = None
+
+    # -- public steps -------------------------------------------------------------------------
+    def train_step(self, batch: Any) -> StepResult:
+        """Forward and backward of every microbatch; gradients are accumulated into ``.grad``
+        (added to any already there) and equal those of the whole batch on one device."""
+        saved = {p: p.grad for p in self.grad_sync.params if p.grad is not None}
+        for p in saved:
+            p.grad = None
+        result = self._guarded(lambda: self._step(batch, train=True))
+        for p, grad in saved.items():
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
+        return result
+
+    def eval_step(self, batch: Any, compute_loss: bool = True, collect_outputs: bool = False) -> StepResult:
+        """Forward-only pass: the loss (if ``compute_loss``) on every rank and, on the last stage,
+        the per-microbatch outputs (if ``collect_outputs``)."""
+        with torch.no_grad():
+            return self._guarded(lambda: self._step(batch, train=False, compute_loss=compute_loss, collect=collect_outputs))
+
+    @property
+    def is_last_stage_rank(self) -> bool:
+        return self.pp_rank == (self.num_stages - 1) % self.config.pp
+
+    # -- machinery ----------------------------------------------------------------------------
+    def _guarded(self, fn):
+        try:
+            return fn()
+        except BaseException as exc:
+            self._on_failure(exc)
+            raise
+
+    def _where(self) -> str:
+        action = self._current
+        if action is None:
+            return f"{self.topology.describe()} outside the schedule"
+        detail = action.describe()
+        part = action.forward_part() or action.backward_part()
+        stage = part[1] * self.config.pp + self.pp_rank
+        return (
+            f"{self.topology.describe()} during {detail} (microbatch {part[0]}, chunk {part[1]}, "
+            f"virtual stage {stage})"
+        )
+
+    def _on_failure(self, exc: BaseException) -> None:
+        where = self._where()
+        self.p2p.reset()
+        self.grad_sync.abandon()
+        if isinstance(exc, PipelineCommError):
+            origin = self.board.read(wait_seconds=5.0)
+            if origin is not None:
+                raise PipelineError(f"{origin}\n  -> seen by {where}: {exc}") from exc
+        self.board.report(f"{where} failed: {type(exc).__name__}: {exc}")
+        add_note(exc, f"lightning_pp: the pipeline step failed on {where}.")
+
+    def _step(self, batch: Any, train: bool, compute_loss: bool = True, collect: bool = False) -> StepResult:
+        cfg = self.config
+        microbatches = split_microbatches(batch, cfg.microbatches)
+        for src, order in self.expected[not train].items():
+            self.p2p.expect(src, order)
+        self._batches = microbatches
+        self._saved: dict[tuple[int, int], tuple] = {}
+        self._local: dict[Message, tuple] = {}
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._count = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._outputs = []
+        self._train, self._compute_loss, self._collect = train, compute_loss, collect
+        actions = self.actions if train else self.eval_actions
+        for index, action in enumerate(actions):
+            self._current = action
+            fwd = action.forward_part()
+            if fwd is not None:
+                self._forward(*fwd)
+            bwd = action.backward_part()
+            if bwd is not None:
+                self._backward(*bwd)
+            if train:
+                self.grad_sync.after_action(index)
+        self._current = None
+        self.p2p.finish()
+        loss, count = None, 0.0
+        if train or compute_loss:
+            totals = torch.stack([self._loss_sum, self._count])
+            dist.all_reduce(totals)  # only last-stage ranks contribute; every rank gets the totals
+            count = float(totals[1])
+            if count <= 0:
+                raise ValueError(
+                    f"the global loss count is {count}: pipeline_loss must return a positive count "
+                    f"(or a mean over a non-empty microbatch)."
+                )
+            loss = totals[0] / totals[1]
+        if train:
+            self.grad_sync.finish(scale=1.0 / count)
+        outputs, self._outputs, self._saved, self._batches = self._outputs, [], {}, None
+        return StepResult(loss=loss, num_samples=count, outputs=outputs)
+
+    def _deliver(self, stage: int, message: Message, tensors: tuple, as_tuple: bool) -> None:
+        dst = stage % self.config.pp
+        if dst == self.pp_rank:
+            # Same-rank hand-off (pp == 1 with several chunks): a fresh leaf, like a received tensor.
+            self._local[message] = (
+                tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors),
+                as_tuple,
+            )
+        else:
+            self.p2p.send(dst, message, tensors, as_tuple)
+
+    def _receive(self, stage: int, message: Message) -> tuple[tuple, bool]:
+        src = stage % self.config.pp
+        if src == self.pp_rank:
+            return self._local.pop(message)
+        return self.p2p.recv(src, message)
+
+    def _forward(self, microbatch: int, chunk_id: int) -> None:
+        chunk = self.partition.chunks[chunk_id]
+        stage = chunk.stage
+        mb_batch = self._batches[microbatch]
+        if stage == 0:
+            inputs, received = self.inputs_fn(mb_batch), ()
+        else:
+            received, as_tuple = self._receive(stage - 1, Message("F", microbatch, stage))
+            inputs = received if as_tuple else received[0]
+        with torch.set_grad_enabled(self._train):
+            output = chunk(inputs)
+            if stage == self.num_stages - 1:
+                if self._collect:
+                    self._outputs.append(output.detach() if isinstance(output, torch.Tensor) else output)
+                if not (self._train or self._compute_loss):
+                    return
+                samples = batch_size(mb_batch) or 1
+                loss_sum, count = normalise_loss(self.loss_fn(output, mb_batch), samples)
+                self._loss_sum += loss_sum.detach().to(torch.float64)
+                self._count += count.to(self._count.device)
+                if self._train:
+                    self._saved[(microbatch, chunk_id)] = (received, (loss_sum,), True)
+                return
+        tensors, as_tuple = _as_tensors(
+            output, f"virtual stage {stage} (layers {chunk.first_layer}..{chunk.first_layer + len(chunk.layers) - 1})"
+        )
+        self._deliver(stage + 1, Message("F", microbatch, stage + 1), tensors, as_tuple)
+        if self._train:
+            if (stage + 1) % self.config.pp != self.pp_rank:
+                _release(tensors)
+            self._saved[(microbatch, chunk_id)] = (received, tensors, False)
+
+    def _backward(self, microbatch: int, chunk_id: int) -> None:
+        stage = self.partition.chunks[chunk_id].stage
+        received, outputs, is_loss = self._saved.pop((microbatch, chunk_id))
+        if is_loss:
+            roots, grads = list(outputs), [torch.ones_like(outputs[0])]
+        else:
+            out_grads, _ = self._receive(stage + 1, Message("B", microbatch, stage))
+            roots = [t for t in outputs if t.requires_grad]
+            grads = list(out_grads)
+            if len(roots) != len(grads):
+                raise PipelineCommError(
+                    f"{self.topology.describe()}: stage {stage} produced {len(roots)} outputs that need a "
+                    f"gradient, but {len(grads)} gradients came back for microbatch {microbatch}."
+                )
+        if roots:
+            _backward(roots, grads)
+        if stage > 0:
+            needs = [t for t in received if t.requires_grad]
+            in_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in needs)
+            self._deliver(stage - 1, Message("B", microbatch, stage - 1), in_grads, True)

@@ -1,0 +1,140 @@
+"""Gradient reduction after (and overlapped with the tail of) the pipeline schedule.
+
+Three reductions, all sums, so their order does not matter:
+
+* data parallel: dense parameters over the dp group, expert parameters (``param._lpp_expert``)
+  over the expert-data-parallel group. Coalesced into one flat buffer per (chunk, group) bucket
+  and launched asynchronously as soon as the chunk's last backward on this rank is done, so they
+  run during the cooldown of the remaining chunks;
+* tied parameters (a shared embedding/head on the first and last stage): summed over the pipeline
+  ranks that hold a copy, in the same data-parallel slot;
+* the loss normalisation: everything is divided by the global sample (or token) count.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_pp.runtime.partition import Partition, tie_groups_for
+from lightning_pp.runtime.topology import Topology
+from lightning_pp.schedules import Action
+
+
+def is_expert_parameter(param: torch.nn.Parameter) -> bool:
+    return bool(getattr(param, "_lpp_expert", False))
+
+
+class _Bucket:
+    def __init__(self, params: list[torch.nn.Parameter], group, launch_after: int) -> None:
+        self.params = params
+        self.group = group
+        self.launch_after = launch_after
+        self.flat: Optional[torch.Tensor] = None
+        self.work = None
+
+
+def create_tie_groups(partition: Partition, topology: Topology) -> dict[tuple[int, ...], object]:
+    """Process groups for tied parameters: one per (set of pipeline ranks, data-parallel slot).
+    Created on every rank in the same order (``new_group`` is collective)."""
+    mine = {}
+    for pp_ranks in tie_groups_for(partition.tied):
+        for dp_rank in range(topology.dp):
+            ranks = [topology.dims.rank_of(p, dp_rank) for p in pp_ranks]
+            group = dist.new_group(ranks)
+            if topology.rank in ranks:
+                mine[pp_ranks] = (group, ranks[0])
+    return mine
+
+
+class GradientSync:
+    """Owns the data-parallel and tied-weight reductions of one rank's chunks."""
+
+    def __init__(self, partition: Partition, topology: Topology, actions: list[Action]) -> None:
+        self.topology = topology
+        self.tie_groups = create_tie_groups(partition, topology)
+        by_id = {}
+        for chunk in partition.chunks:
+            for p in chunk.parameters():
+                by_id.setdefault(id(p), p)
+        self.tied = []  # (param, group, src global rank)
+        names = partition.parameter_names
+        tied_names = {t.name: t for t in partition.tied}
+        for pid, p in by_id.items():
+            tie = tied_names.get(names.get(pid))
+            if tie is not None and topology.pp_rank in tie.pp_ranks:
+                group, src = self.tie_groups[tie.pp_ranks]
+                self.tied.append((p, group, src))
+        # Last action index whose backward touches each chunk.
+        last_backward = {}
+        for index, action in enumerate(actions):
+            part = action.backward_part()
+            if part is not None:
+                last_backward[part[1]] = index
+        # A parameter shared by several local chunks is reduced after the last of them.
+        owners: dict[int, int] = {}
+        for chunk_id, chunk in enumerate(partition.chunks):
+            for p in chunk.parameters():
+                owners[id(p)] = max(owners.get(id(p), -1), last_backward.get(chunk_id, len(actions) - 1))
+        buckets: dict[tuple[int, bool], list] = {}
+        for pid, p in by_id.items():
+            if p.requires_grad:
+                buckets.setdefault((owners[pid], is_expert_parameter(p)), []).append(p)
+        self.buckets: list[_Bucket] = []
+        for (launch_after, expert), params in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            group = topology.edp_group if expert else topology.dp_group
+            size = topology.dims.edp if expert else topology.dp
+            if size > 1:
+                self.buckets.append(_Bucket(params, group, launch_after))
+        self.params = list(by_id.values())
+
+    def broadcast_parameters(self) -> None:
+        """Make replicas equal at start-up: data-parallel replicas take dp rank 0's values, tied
+        copies take the first stage's."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                src = dist.get_process_group_ranks(bucket.group)[0]
+                flat = _flatten_dense_tensors([p.data for p in bucket.params])
+                dist.broadcast(flat, src=src, group=bucket.group)
+                for p, value in zip(bucket.params, _unflatten_dense_tensors(flat, [p.data for p in bucket.params])):
+                    p.data.copy_(value)
+            for p, group, src in self.tied:
+                dist.broadcast(p.data, src=src, group=group)
+
+    def after_action(self, index: int) -> None:
+        """Launch every bucket whose chunks have finished their backward at action ``index``."""
+        for bucket in self.buckets:
+            if bucket.launch_after == index and bucket.work is None:
+                grads = []
+                for p in bucket.params:
+                    if p.grad is None:  # e.g. an expert no token reached on this rank
+                        p.grad = torch.zeros_like(p)
+                    grads.append(p.grad)
+                bucket.flat = _flatten_dense_tensors(grads)
+                bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+
+    def finish(self, scale: float) -> None:
+        """Wait for the data-parallel reductions, sum tied copies, and multiply by ``scale``."""
+        for bucket in self.buckets:
+            if bucket.work is None:  # a chunk with no backward on this rank's schedule
+                self.after_action(bucket.launch_after)
+            bucket.work.wait()
+            grads = [p.grad for p in bucket.params]
+            for g, reduced in zip(grads, _unflatten_dense_tensors(bucket.flat, grads)):
+                g.copy_(reduced)
+            bucket.flat, bucket.work = None, None
+        for p, group, _ in self.tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+        if scale != 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
+    def abandon(self) -> None:
+        for bucket in self.buckets:
+            bucket.flat, bucket.work = None, None

@@ -1,0 +1,196 @@
+"""Stage-boundary point-to-point transport with a shape/dtype handshake.
+
+Every message is a fixed-size int64 header (number of tensors, whether they form a tuple, then
+dtype, requires_grad, ndim and shape of each) followed by one message per tensor. Because the header travels with every
+message, shapes and dtypes may change between steps and between microbatches (short last batch,
+variable sequence length) at the cost of one small extra message.
+
+Receives are posted in the order the peer sends (``lightning_pp.schedules.messages``), so
+backends that match messages first-in-first-out per peer pair (NCCL) pair them correctly, and
+sends are asynchronous so a rank never blocks on a send: with the schedule's dependencies
+acyclic, blocking only on receives cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_pp.schedules.messages import Message
+
+HEADER_LEN = 64
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+class PipelineCommError(RuntimeError):
+    """A stage-boundary transfer failed or timed out."""
+
+
+def encode_header(tensors: Sequence[torch.Tensor], device: torch.device, as_tuple: bool = True) -> torch.Tensor:
+    fields = [len(tensors), int(as_tuple)]
+    for t in tensors:
+        if t.dtype not in _DTYPE_CODE:
+            raise TypeError(f"stage outputs of dtype {t.dtype} cannot cross a stage boundary; use one of {_DTYPES}.")
+        fields += [_DTYPE_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
+    if len(fields) > HEADER_LEN:
+        raise ValueError(
+            f"a stage boundary carries {len(tensors)} tensors with {len(fields)} header fields, more than "
+            f"the {HEADER_LEN} the handshake holds: pass fewer or lower-rank tensors between stages."
+        )
+    fields += [0] * (HEADER_LEN - len(fields))
+    return torch.tensor(fields, dtype=torch.int64, device=device)
+
+
+def decode_header(header: torch.Tensor) -> tuple[list[tuple[torch.dtype, bool, tuple[int, ...]]], bool]:
+    """(per-tensor (dtype, requires_grad, shape), whether the sender passed a tuple)."""
+    fields = header.tolist()
+    count, as_tuple, pos, specs = fields[0], bool(fields[1]), 2, []
+    for _ in range(count):
+        dtype, requires_grad, ndim = fields[pos : pos + 3]
+        shape = tuple(fields[pos + 3 : pos + 3 + ndim])
+        specs.append((_DTYPES[dtype], bool(requires_grad), shape))
+        pos += 3 + ndim
+    return specs, as_tuple
+
+
+class _Channel:
+    """Receives from one peer, in the peer's send order."""
+
+    def __init__(self) -> None:
+        self.expected: collections.deque[Message] = collections.deque()
+        self.arrived: dict[Message, tuple[tuple[torch.Tensor, ...], bool]] = {}
+        self.header: Optional[torch.Tensor] = None
+        self.header_work = None
+
+
+class PointToPoint:
+    """Asynchronous sends and ordered, timed receives between pipeline ranks.
+
+    ``peer_rank`` maps a pipeline rank to the global rank of the same data-parallel slot.
+    ``describe`` names this rank in error messages.
+    """
+
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup],
+        peer_rank,
+        device: torch.device,
+        timeout: datetime.timedelta,
+        describe,
+    ) -> None:
+        self.group = group
+        self.peer_rank = peer_rank
+        self.device = device
+        self.timeout = timeout
+        self.describe = describe
+        self.channels: dict[int, _Channel] = {}
+        self.pending_sends: list[tuple[object, tuple[torch.Tensor, ...], Message, int]] = []
+        self.bytes_sent = 0
+
+    # -- plan ---------------------------------------------------------------------------------
+    def expect(self, src: int, order: list[Message]) -> None:
+        """Declare the messages pipeline rank ``src`` will send this step, in its send order."""
+        channel = self.channels.setdefault(src, _Channel())
+        if channel.expected or channel.arrived:
+            left = list(channel.expected) + list(channel.arrived)
+            raise PipelineCommError(
+                f"{self.describe()}: {len(left)} message(s) from pipeline rank {src} of the previous step "
+                f"were never consumed (first: {left[0].describe()}); the step ended out of sync."
+            )
+        channel.expected.extend(order)
+        self._post_header(src, channel)
+
+    def _post_header(self, src: int, channel: _Channel) -> None:
+        if channel.expected and channel.header_work is None:
+            channel.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            channel.header_work = dist.irecv(channel.header, src=self.peer_rank(src), group=self.group)
+
+    # -- transfers ----------------------------------------------------------------------------
+    def send(self, dst: int, message: Message, tensors: Sequence[torch.Tensor], as_tuple: bool = True) -> None:
+        """Send ``tensors`` to pipeline rank ``dst`` without waiting. The header records which
+        tensors require grad, so the receiver makes those leaves that collect a gradient."""
+        header = encode_header(tensors, self.device, as_tuple)
+        payload = tuple(t.detach().contiguous() for t in tensors)
+        peer = self.peer_rank(dst)
+        works = [dist.isend(header, dst=peer, group=self.group)]
+        works += [dist.isend(t, dst=peer, group=self.group) for t in payload]
+        for work in works:
+            self.pending_sends.append((work, (header, *payload), message, dst))
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in payload)
+        self._reap_sends()
+
+    def recv(self, src: int, message: Message) -> tuple[tuple[torch.Tensor, ...], bool]:
+        """(tensors, sent as a tuple) of ``message`` from pipeline rank ``src``; blocks (with the timeout) until they
+        arrive, receiving earlier messages of that peer first."""
+        channel = self.channels.get(src)
+        if channel is None:
+            raise PipelineCommError(f"{self.describe()}: no messages were expected from pipeline rank {src}.")
+        while message not in channel.arrived:
+            if not channel.expected:
+                raise PipelineCommError(
+                    f"{self.describe()}: waited for {message.describe()} from pipeline rank {src}, "
+                    f"which the schedule never sends."
+                )
+            nxt = channel.expected.popleft()
+            channel.arrived[nxt] = self._recv_payload(src, channel, nxt)
+        return channel.arrived.pop(message)
+
+    def _wait(self, work, what: str, peer: int) -> None:
+        try:
+            ok = work.wait(timeout=self.timeout)
+        except Exception as exc:  # gloo raises on timeout and on a peer that went away
+            raise PipelineCommError(
+                f"{self.describe()}: {what} with pipeline rank {peer} (global rank "
+                f"{self.peer_rank(peer)}) failed: {exc}"
+            ) from exc
+        if ok is False:
+            raise PipelineCommError(
+                f"{self.describe()}: {what} with pipeline rank {peer} timed out after "
+                f"{self.timeout.total_seconds():.0f}s."
+            )
+
+    def _recv_payload(self, src: int, channel: _Channel, message: Message):
+        self._wait(channel.header_work, f"receiving the header of {message.describe()}", src)
+        specs, as_tuple = decode_header(channel.header)
+        channel.header_work = None
+        peer = self.peer_rank(src)
+        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs]
+        works = [dist.irecv(t, src=peer, group=self.group) for t in tensors]
+        # The next header is posted before waiting so it is already in flight.
+        self._post_header(src, channel)
+        for work in works:
+            self._wait(work, f"receiving {message.describe()}", src)
+        return tuple(t.requires_grad_(rg) if rg else t for t, (_, rg, _) in zip(tensors, specs)), as_tuple
+
+    def _reap_sends(self) -> None:
+        if len(self.pending_sends) > 64:
+            self.pending_sends = [entry for entry in self.pending_sends if not entry[0].is_completed()]
+
+    def finish(self) -> None:
+        """Wait for every send of the step (the buffers must live until the peer has them)."""
+        pending, self.pending_sends = self.pending_sends, []
+        for work, _, message, dst in pending:
+            self._wait(work, f"sending {message.describe()}", dst)
+
+    def reset(self) -> None:
+        """Drop receive state after a failed step."""
+        self.channels.clear()
+        self.pending_sends = []

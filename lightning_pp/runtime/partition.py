@@ -1,0 +1,246 @@
+"""Cutting a model that implements the pipeline protocol into virtual-stage chunks.
+
+The protocol (see DESIGN.md)::
+
+    pipeline_layers() -> list[nn.Module]   # ordered; layer i's output is layer i+1's input
+    pipeline_loss(output, batch)           # last stage, per microbatch: mean, or (sum, count)
+    pipeline_inputs(batch)                 # optional; default batch[0] (or batch itself)
+
+A layer whose input is a tuple is called with the tuple unpacked (``layer(*x)``), so layers can
+pass ``(hidden, mask)`` along.
+
+Cutting keeps the user's root module (so optimizers, Lightning and checkpoints see the usual
+global parameter names) but replaces every layer this rank does not own with a parameterless
+placeholder, so only the owned chunks' parameters and buffers stay in memory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+import torch
+from torch import nn
+
+REQUIRED_METHODS = ("pipeline_layers", "pipeline_loss")
+
+Layout = Union[None, str, Sequence[int]]
+
+
+def check_protocol(module: Any) -> None:
+    """Raise ``TypeError`` naming every missing protocol method."""
+    missing = [name for name in REQUIRED_METHODS if not callable(getattr(module, name, None))]
+    if missing:
+        raise TypeError(
+            f"{type(module).__name__} cannot be pipelined: it is missing "
+            f"{', '.join(f'`{m}`' for m in missing)}. Add `def pipeline_layers(self) -> list[nn.Module]` "
+            f"(ordered layers, embedding first, head last) and `def pipeline_loss(self, output, batch)` "
+            f"(per-microbatch loss on the last stage), and optionally `pipeline_inputs(self, batch)`."
+        )
+
+
+def default_pipeline_inputs(batch: Any) -> Any:
+    """``batch[0]`` for tuples/lists, ``batch["input"]``-less dicts are passed whole, else the batch."""
+    if isinstance(batch, (tuple, list)):
+        return batch[0]
+    return batch
+
+
+def balanced_layout(num_layers: int, num_stages: int) -> list[int]:
+    """Layer counts per virtual stage, as even as possible; earlier stages take the remainder."""
+    if num_layers < num_stages:
+        raise ValueError(
+            f"the model has {num_layers} pipeline layers, too few for {num_stages} virtual stages "
+            f"(pipeline_parallel_size * virtual_pipeline_size): every stage needs at least one layer. "
+            f"Use pipeline_parallel_size * virtual_pipeline_size <= {num_layers}."
+        )
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+_REPEAT = re.compile(r"\(([^()]*)\)\*(\d+)")
+_SYMBOL_REPEAT = re.compile(r"([A-Za-z])\*(\d+)")
+
+
+def parse_layout_string(layout: str) -> list[int]:
+    """Megatron-style layout: stages separated by ``|``, each letter one layer (``E`` embedding,
+    ``t`` block, ``L`` head...), ``x*k`` repeats a letter, ``(...)*k`` repeats a group (which may
+    contain ``|``). Example: ``"Et*2|(tt|)*2tL"`` -> ``[3, 2, 2, 2]``."""
+    text = layout.replace(" ", "").replace(",", "")
+    while True:
+        expanded = _REPEAT.sub(lambda m: m.group(1) * int(m.group(2)), text)
+        if expanded == text:
+            break
+        text = expanded
+    text = _SYMBOL_REPEAT.sub(lambda m: m.group(1) * int(m.group(2)), text)
+    if not re.fullmatch(r"[A-Za-z|]*", text):
+        raise ValueError(
+            f"layout={layout!r} is not a valid layout string: use letters for layers, '|' between "
+            f"stages, 'x*k' and '(...)*k' for repeats, e.g. 'Et*2|t*3|tL'."
+        )
+    return [len(stage) for stage in text.split("|")]
+
+
+def resolve_layout(layout: Layout, num_layers: int, num_stages: int) -> list[int]:
+    """Layer counts per virtual stage (stage order), validated against the model."""
+    if layout is None:
+        return balanced_layout(num_layers, num_stages)
+    counts = parse_layout_string(layout) if isinstance(layout, str) else [int(c) for c in layout]
+    if len(counts) != num_stages:
+        raise ValueError(
+            f"layout={layout!r} describes {len(counts)} stages, but the pipeline has {num_stages} "
+            f"virtual stages (pipeline_parallel_size * virtual_pipeline_size). Give one entry per "
+            f"virtual stage, e.g. {balanced_layout(num_layers, num_stages) if num_layers >= num_stages else '...'}."
+        )
+    if any(c < 1 for c in counts):
+        raise ValueError(
+            f"layout={layout!r} gives a stage {min(counts)} layers: every virtual stage needs at least "
+            f"one layer. Move a layer into it, or use fewer stages."
+        )
+    if sum(counts) != num_layers:
+        raise ValueError(
+            f"layout={layout!r} sums to {sum(counts)} layers, but pipeline_layers() returns "
+            f"{num_layers}. Make the counts sum to {num_layers}, e.g. "
+            f"{balanced_layout(num_layers, num_stages) if num_layers >= num_stages else '...'}."
+        )
+    return counts
+
+
+class NotOnThisStage(nn.Module):
+    """Placeholder for a layer that lives on another pipeline rank."""
+
+    def __init__(self, layer_index: int, stage: int, name: str):
+        super().__init__()
+        self.layer_index = layer_index
+        self.stage = stage
+        self.layer_name = name
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            f"layer {self.layer_index} ({self.layer_name}) lives on virtual stage {self.stage}, not on "
+            f"this pipeline rank: a pipelined model runs through the strategy's pipeline step, not by "
+            f"calling its layers directly."
+        )
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_index}, stage={self.stage}"
+
+
+class StageChunk:
+    """The consecutive layers of one virtual stage, run in order (not an ``nn.Module``: the
+    parameters stay registered under their global names in the user's module)."""
+
+    def __init__(self, stage: int, first_layer: int, layers: list[nn.Module]):
+        self.stage = stage
+        self.first_layer = first_layer
+        self.layers = layers
+
+    def __call__(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(*x) if isinstance(x, tuple) else layer(x)
+        return x
+
+    def parameters(self):
+        seen = set()
+        for layer in self.layers:
+            for p in layer.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+
+@dataclass
+class TiedParameter:
+    """A parameter used by layers on more than one virtual stage (e.g. embedding and head)."""
+
+    name: str
+    stages: tuple[int, ...]
+    pp_ranks: tuple[int, ...]
+
+
+@dataclass
+class Partition:
+    layout: list[int]  # layers per virtual stage
+    layer_stage: list[int]  # virtual stage of every layer
+    chunks: list[StageChunk]  # this rank's chunks, index = local chunk id
+    tied: list[TiedParameter] = field(default_factory=list)
+    parameter_names: dict[int, str] = field(default_factory=dict)  # id(param) -> global name
+
+
+def _layer_list(module: nn.Module) -> list[nn.Module]:
+    layers = list(module.pipeline_layers())
+    if not layers:
+        raise ValueError(f"{type(module).__name__}.pipeline_layers() returned no layers: return the ordered layers.")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(
+                f"{type(module).__name__}.pipeline_layers()[{i}] is a {type(layer).__name__}, not an "
+                f"nn.Module: wrap functions in an nn.Module so the pipeline can place and name them."
+            )
+    if len({id(l) for l in layers}) != len(layers):
+        raise ValueError(f"{type(module).__name__}.pipeline_layers() lists the same module twice: list each layer once.")
+    return layers
+
+
+def cut_model(module: nn.Module, pp: int, vp: int, pp_rank: int, layout: Layout = None) -> Partition:
+    """Cut ``module`` into ``pp * vp`` virtual stages and keep only ``pp_rank``'s chunks.
+
+    Virtual stage ``s`` lives on pipeline rank ``s % pp`` as local chunk ``s // pp``. Layers of other
+    ranks are replaced in the module tree by :class:`NotOnThisStage`, which frees their parameters
+    (unless an owned layer shares them, e.g. a tied embedding).
+    """
+    check_protocol(module)
+    layers = _layer_list(module)
+    num_stages = pp * vp
+    counts = resolve_layout(layout, len(layers), num_stages)
+    layer_stage = [s for s, c in enumerate(counts) for _ in range(c)]
+
+    # Global names, taken before anything is replaced, so every rank agrees on them.
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    param_stages: dict[int, set[int]] = {}
+    for index, layer in enumerate(layers):
+        for p in layer.parameters():
+            param_stages.setdefault(id(p), set()).add(layer_stage[index])
+    tied = []
+    for pid, stages in param_stages.items():
+        ranks = tuple(sorted({s % pp for s in stages}))
+        if len(ranks) > 1:
+            tied.append(TiedParameter(names.get(pid, "?"), tuple(sorted(stages)), ranks))
+    tied.sort(key=lambda t: t.name)
+
+    layer_names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    parents: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in module.modules():
+        for child_name, child in parent.named_children():
+            parents.setdefault(id(child), []).append((parent, child_name))
+    for index, layer in enumerate(layers):
+        if layer is module:
+            raise ValueError("pipeline_layers() must not return the module itself: return its sub-layers.")
+        if id(layer) not in parents:
+            raise ValueError(
+                f"pipeline_layers()[{index}] ({type(layer).__name__}) is not a submodule of "
+                f"{type(module).__name__}: assign it as an attribute (or inside an nn.ModuleList) so its "
+                f"parameters have names and reach the optimizer."
+            )
+
+    chunks: list[StageChunk] = []
+    for chunk_id in range(vp):
+        stage = chunk_id * pp + pp_rank
+        first = sum(counts[:stage])
+        chunks.append(StageChunk(stage, first, layers[first : first + counts[stage]]))
+    for index, layer in enumerate(layers):
+        stage = layer_stage[index]
+        if stage % pp == pp_rank:
+            continue
+        placeholder = NotOnThisStage(index, stage, layer_names.get(id(layer), type(layer).__name__))
+        for parent, child_name in parents[id(layer)]:
+            setattr(parent, child_name, placeholder)
+    return Partition(counts, layer_stage, chunks, tied, names)
+
+
+def tie_groups_for(tied: list[TiedParameter]) -> list[tuple[int, ...]]:
+    """Distinct sets of pipeline ranks that share parameters, in a deterministic order."""
+    return sorted({t.pp_ranks for t in tied})

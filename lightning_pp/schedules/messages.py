@@ -1,0 +1,62 @@
+"""Which stage-boundary messages each rank sends, and in which order.
+
+A message is identified by ``(direction, microbatch, stage)``: ``("F", mb, s)`` carries the
+activations *into* virtual stage ``s``, ``("B", mb, s)`` carries the gradient *into* the output of
+virtual stage ``s``. The runtime posts its receives in the order the peer sends, which this module
+derives from the peer's action list, so every backend (including ones that match point-to-point
+messages in FIFO order and ignore tags) pairs each message with the right receive.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from lightning_pp.schedules.actions import Action, stage_owner, virtual_stage
+from lightning_pp.schedules.tables import ScheduleConfig
+
+
+class Message(NamedTuple):
+    direction: str  # "F" (activation) or "B" (gradient)
+    microbatch: int
+    stage: int  # the virtual stage that consumes it
+
+    def describe(self) -> str:
+        what = "activation into" if self.direction == "F" else "gradient into the output of"
+        return f"{what} stage {self.stage} for microbatch {self.microbatch}"
+
+
+def forward_message(cfg: ScheduleConfig, rank: int, microbatch: int, chunk: int) -> Optional[tuple[int, Message]]:
+    """(destination rank, message) produced by a forward of ``chunk``, or None on the last stage."""
+    stage = virtual_stage(rank, chunk, cfg.pp)
+    if stage + 1 >= cfg.num_stages:
+        return None
+    return stage_owner(stage + 1, cfg.pp)[0], Message("F", microbatch, stage + 1)
+
+
+def backward_message(cfg: ScheduleConfig, rank: int, microbatch: int, chunk: int) -> Optional[tuple[int, Message]]:
+    """(destination rank, message) produced by a backward of ``chunk``, or None on the first stage."""
+    stage = virtual_stage(rank, chunk, cfg.pp)
+    if stage == 0:
+        return None
+    return stage_owner(stage - 1, cfg.pp)[0], Message("B", microbatch, stage - 1)
+
+
+def action_sends(cfg: ScheduleConfig, rank: int, action: Action) -> list[tuple[int, Message]]:
+    """Messages ``action`` sends, in send order: the forward output first, then the input grad."""
+    sends = []
+    fwd = action.forward_part()
+    if fwd is not None:
+        msg = forward_message(cfg, rank, *fwd)
+        if msg is not None:
+            sends.append(msg)
+    bwd = action.backward_part()
+    if bwd is not None:
+        msg = backward_message(cfg, rank, *bwd)
+        if msg is not None:
+            sends.append(msg)
+    return sends
+
+
+def send_order(cfg: ScheduleConfig, rank: int, actions: list[Action], dst: int) -> list[Message]:
+    """Every message ``rank`` sends to ``dst`` (a different rank) in one step, in order."""
+    return [msg for action in actions for to, msg in action_sends(cfg, rank, action) if to == dst]

@@ -1,0 +1,87 @@
+"""Run a function on several gloo processes (spawned, one intra-op thread each), with a
+deadline, and return each rank's result. Used by the multi-process tests."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        # Plain pickle: torch's shared-memory reductions would die with this process.
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException as exc:  # report, then fail the process
+        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+class DistributedFailure(AssertionError):
+    def __init__(self, errors: dict, exitcodes: dict, elapsed: float):
+        self.errors, self.exitcodes, self.elapsed = errors, exitcodes, elapsed
+        lines = [f"rank {r}: {e}" for r, e in sorted(errors.items())]
+        super().__init__(f"distributed run failed (exit codes {exitcodes}, {elapsed:.1f}s):\n" + "\n".join(lines))
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` processes; results indexed by rank.
+    Raises :class:`DistributedFailure` (with every rank's error and exit code) if any rank fails
+    or the deadline passes (then all processes are killed)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue), daemon=True) for r in range(world_size)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    deadline = start + timeout
+    grace = None  # once every process has exited, give the queue's pipe a moment to drain
+    while len(results) + len(errors) < world_size and time.monotonic() < deadline:
+        try:
+            rank, ok, value = queue.get(timeout=0.2)
+        except Exception:
+            if all(not p.is_alive() for p in procs):
+                grace = grace or time.monotonic() + 2.0
+                if time.monotonic() > grace:
+                    break
+            continue
+        (results if ok else errors)[rank] = value
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    elapsed = time.monotonic() - start
+    exitcodes = {r: p.exitcode for r, p in enumerate(procs)}
+    for r in range(world_size):
+        if r not in results and r not in errors:
+            errors[r] = "no result (killed at the deadline or died)" if exitcodes[r] in (None, -9) else f"exited with {exitcodes[r]}"
+    if errors:
+        raise DistributedFailure(errors, exitcodes, elapsed)
+    return [pickle.loads(results[r]) for r in range(world_size)]
