@@ -1,0 +1,140 @@
+"""Single-process tests of the runtime's pure parts: sizes, layouts, cutting, splitting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pp.runtime import (
+    NotOnThisStage,
+    ParallelDims,
+    check_protocol,
+    cut_model,
+    parse_layout_string,
+    resolve_layout,
+    split_microbatches,
+)
+from lightning_pp.runtime.executor import normalise_loss
+from lightning_pp.runtime.p2p import decode_header, encode_header
+from models import TiedLM, ToyRegressor
+
+
+def test_rank_order_is_pp_outermost_and_ep_inside_one_stage():
+    dims = ParallelDims(world_size=8, pp=2, ep=2).check()
+    assert (dims.dp, dims.edp) == (4, 2)
+    coords = [dims.coordinates(r) for r in range(8)]
+    # One stage owns dp consecutive ranks; ep groups are consecutive pairs inside a stage.
+    assert [c["pp"] for c in coords] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [c["ep"] for c in coords] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert [c["edp"] for c in coords] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert all(dims.rank_of(c["pp"], c["dp"]) == r for r, c in enumerate(coords))
+
+
+@pytest.mark.parametrize("world,pp,ep", [(6, 4, 1), (4, 2, 3), (8, 3, 1)])
+def test_indivisible_world_is_rejected_with_the_sizes(world, pp, ep):
+    with pytest.raises(ValueError) as err:
+        ParallelDims(world, pp, ep).check()
+    msg = str(err.value)
+    assert f"world size {world}" in msg and f"{pp} * {ep}" in msg and "Use" in msg
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_non_positive_sizes_are_rejected(bad):
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        ParallelDims(4, bad).check()
+
+
+def test_layout_strings():
+    assert parse_layout_string("Et*2|(tt|)*2tL") == [3, 2, 2, 2]
+    assert parse_layout_string("E|t|t*4|tL") == [1, 1, 4, 2]
+    assert parse_layout_string("(t|)*3t") == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="layout="):
+        parse_layout_string("E|t3")
+
+
+def test_layout_validation_names_the_rule():
+    assert resolve_layout(None, 8, 3) == [3, 3, 2]
+    with pytest.raises(ValueError, match="sums to 7 layers.*returns 8"):
+        resolve_layout([3, 4], 8, 2)
+    with pytest.raises(ValueError, match="describes 3 stages"):
+        resolve_layout([3, 3, 2], 8, 2)
+    with pytest.raises(ValueError, match="at least one layer"):
+        resolve_layout([8, 0], 8, 2)
+    with pytest.raises(ValueError, match="too few for 4 virtual stages"):
+        resolve_layout(None, 3, 4)
+
+
+def test_protocol_errors_name_the_missing_method():
+    class NoLoss(nn.Module):
+        def pipeline_layers(self):
+            return []
+
+    with pytest.raises(TypeError, match="`pipeline_loss`"):
+        check_protocol(NoLoss())
+    with pytest.raises(TypeError, match="`pipeline_layers`, `pipeline_loss`"):
+        check_protocol(nn.Linear(2, 2))
+
+
+def test_cut_keeps_only_owned_parameters_under_global_names():
+    torch.manual_seed(0)
+    full = {n for n, _ in ToyRegressor(blocks=4).named_parameters()}
+    owned = []
+    for rank in range(2):
+        torch.manual_seed(0)
+        model = ToyRegressor(blocks=4)
+        part = cut_model(model, pp=2, vp=1, pp_rank=rank)
+        names = {n for n, _ in model.named_parameters()}
+        owned.append(names)
+        assert part.layout == [3, 3]
+        assert sum(isinstance(m, NotOnThisStage) for m in model.modules()) == 3
+    assert owned[0] | owned[1] == full and not owned[0] & owned[1]
+    assert all(n.startswith(("embed", "blocks.0", "blocks.1")) for n in owned[0])
+
+
+def test_cut_interleaved_places_stage_s_on_rank_s_mod_pp():
+    model = ToyRegressor(blocks=6)  # 8 layers, 4 virtual stages of 2
+    part = cut_model(model, pp=2, vp=2, pp_rank=1)
+    assert [c.stage for c in part.chunks] == [1, 3]
+    assert [c.first_layer for c in part.chunks] == [2, 6]
+
+
+def test_tied_parameters_are_found_and_kept_on_both_stages():
+    model = TiedLM(blocks=2)
+    part = cut_model(model, pp=2, vp=1, pp_rank=1)
+    assert [(t.name, t.pp_ranks) for t in part.tied] == [("embed.weight", (0, 1))]
+    assert model.head.weight is not None and len(list(model.parameters())) > 0
+    assert not isinstance(model.head, NotOnThisStage) and isinstance(model.embed, NotOnThisStage)
+
+
+def test_calling_a_removed_layer_explains_itself():
+    model = ToyRegressor(blocks=2)
+    cut_model(model, pp=2, vp=1, pp_rank=1)
+    with pytest.raises(RuntimeError, match="lives on virtual stage 0"):
+        model.embed(torch.zeros(1, 5))
+
+
+def test_split_is_uneven_by_at_most_one_and_covers_the_batch():
+    x, y = torch.arange(11).view(11, 1), torch.arange(11)
+    parts = split_microbatches((x, y, "meta", {"w": torch.ones(11)}), 5)
+    assert [p[0].shape[0] for p in parts] == [3, 2, 2, 2, 2]
+    assert torch.cat([p[1] for p in parts]).tolist() == list(range(11))
+    assert all(p[2] == "meta" and p[3]["w"].shape[0] == p[0].shape[0] for p in parts)
+    with pytest.raises(ValueError, match="batch of size 3 cannot be split into num_microbatches=4"):
+        split_microbatches((torch.zeros(3, 2),), 4)
+
+
+def test_loss_normalisation_forms():
+    s, c = normalise_loss(torch.tensor(2.0), samples=3)
+    assert float(s) == 6.0 and float(c) == 3.0
+    s, c = normalise_loss((torch.tensor(5.0), torch.tensor(4)), samples=3)
+    assert float(s) == 5.0 and float(c) == 4.0
+    with pytest.raises(ValueError, match="scalar tensor"):
+        normalise_loss(torch.ones(3), samples=3)
+
+
+def test_header_roundtrip_carries_shapes_dtypes_and_grad_flags():
+    a = torch.zeros(2, 3, 4, requires_grad=True)
+    b = torch.ones(7, dtype=torch.int64)
+    specs, as_tuple = decode_header(encode_header((a, b), torch.device("cpu"), as_tuple=True))
+    assert as_tuple and specs == [(torch.float32, True, (2, 3, 4)), (torch.int64, False, (7,))]
