@@ -1,4 +1,5 @@
-"""Pure pipeline schedules: per-rank action tables, validation and a simulator.
+"""Pure pipeline schedules: per-rank action tables, validation, a simulator, renderers and a CLI
+(``python -m lightning_pp.schedules``).
 
 No torch and no torch.distributed here: everything is plain Python so it can be exhaustively
 tested and used to plan a run before any process group exists.
@@ -13,6 +14,8 @@ from lightning_pp.schedules.actions import (
     stage_owner,
     virtual_stage,
 )
+from lightning_pp.schedules.render import ascii_timeline, chrome_trace, plot_timeline, stats_table
+from lightning_pp.schedules.simulator import CostModel, SimulationResult, allreduce_time, simulate
 from lightning_pp.schedules.tables import (
     SCHEDULES,
     ScheduleConfig,
@@ -25,6 +28,8 @@ from lightning_pp.schedules.tables import (
 
 __all__ = [
     "Action",
+    "CostModel",
+    "SimulationResult",
     "BACKWARD",
     "FORWARD",
     "FORWARD_BACKWARD",
@@ -32,10 +37,16 @@ __all__ = [
     "SCHEDULES",
     "ScheduleConfig",
     "all_rank_actions",
+    "allreduce_time",
+    "ascii_timeline",
+    "chrome_trace",
     "interleaved_table",
     "make_config",
+    "plot_timeline",
     "rank_actions",
+    "simulate",
     "stage_owner",
+    "stats_table",
     "virtual_stage",
     "warmup_count",
 ]

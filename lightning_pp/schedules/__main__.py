@@ -1,0 +1,136 @@
+"""Command line: print, simulate and draw a pipeline schedule.
+
+    python -m lightning_pp.schedules --pp 4 --vp 2 --microbatches 8 --schedule interleaved
+    python -m lightning_pp.schedules --pp 4 --format json
+    python -m lightning_pp.schedules --pp 8 --plot timeline.png --trace trace.json
+
+Invalid configurations print the validation message and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Optional, Sequence
+
+from lightning_pp.schedules.render import ascii_timeline, chrome_trace, plot_timeline, stats_table
+from lightning_pp.schedules.simulator import CostModel, simulate
+from lightning_pp.schedules.tables import SCHEDULES, make_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_pp.schedules",
+        description="Print the per-rank action tables of a pipeline schedule and simulate them.",
+    )
+    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default: 1f1b)")
+    parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (ranks)")
+    parser.add_argument("--vp", type=int, default=1, help="virtual pipeline size: chunks per rank (default: 1)")
+    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: 2 * pp)")
+    parser.add_argument("--group-size", type=int, default=None, help="interleaved microbatch group size (default: pp)")
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    parser.add_argument("--width", type=int, default=None, help="timeline width in columns (default: 100)")
+    parser.add_argument("--plot", metavar="PATH", help="also draw the timeline to an image (needs matplotlib)")
+    parser.add_argument("--trace", metavar="PATH", help="also write a Chrome/Perfetto trace JSON")
+
+    costs = parser.add_argument_group("cost model (per microbatch and chunk)")
+    costs.add_argument("--forward", type=float, default=1.0, help="forward compute time (default: 1)")
+    costs.add_argument("--backward", type=float, default=2.0, help="backward compute time (default: 2)")
+    costs.add_argument("--weight-grad", type=float, default=0.0, help="weight-gradient time added to backward")
+    costs.add_argument("--a2a-forward", type=float, default=0.0, help="expert all-to-all time in each forward")
+    costs.add_argument("--a2a-backward", type=float, default=0.0, help="expert all-to-all time in each backward")
+    costs.add_argument("--p2p-latency", type=float, default=0.0, help="stage-boundary message latency (alpha)")
+    costs.add_argument("--p2p-bandwidth", type=float, default=math.inf, help="stage-boundary bandwidth, bytes/s")
+    costs.add_argument("--activation-bytes", type=float, default=0, help="bytes per stage-boundary message")
+    costs.add_argument("--dp", type=int, default=1, help="data-parallel replicas for the gradient all-reduce")
+    costs.add_argument("--grad-bytes", type=float, default=0, help="gradient bytes per rank to all-reduce")
+    costs.add_argument("--dp-latency", type=float, default=0.0, help="all-reduce per-message latency (alpha)")
+    costs.add_argument("--dp-bandwidth", type=float, default=math.inf, help="all-reduce bandwidth, bytes/s")
+    return parser
+
+
+def _json_report(cfg, result) -> dict:
+    ranks = [{"rank": rank, "actions": []} for rank in range(cfg.pp)]
+    for rank, action, start, end in result.events:
+        entry = action.to_dict()
+        if "microbatch" not in entry:  # FB: give the common keys too (forward half), for uniform readers
+            entry = {"kind": entry["kind"], "microbatch": action.microbatch, "chunk": action.chunk, **entry}
+        entry["start"] = start
+        entry["end"] = end
+        ranks[rank]["actions"].append(entry)
+    return {
+        "schedule": cfg.schedule,
+        "pp": cfg.pp,
+        "vp": cfg.vp,
+        "microbatches": cfg.microbatches,
+        "ranks": ranks,
+        "stats": {
+            "bubble_fraction": result.bubble_fraction,
+            "makespan": result.makespan,
+            "peak_inflight": list(result.peak_inflight),
+        },
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = make_config(args.schedule, args.pp, args.vp, args.microbatches, args.group_size)
+        costs = CostModel(
+            forward=args.forward,
+            backward=args.backward,
+            weight_grad=args.weight_grad,
+            a2a_forward=args.a2a_forward,
+            a2a_backward=args.a2a_backward,
+            p2p_latency=args.p2p_latency,
+            p2p_bandwidth=args.p2p_bandwidth,
+            activation_bytes=args.activation_bytes,
+            dp_size=args.dp,
+            grad_bytes=args.grad_bytes,
+            dp_latency=args.dp_latency,
+            dp_bandwidth=args.dp_bandwidth,
+        )
+        result = simulate(cfg, costs)
+        timeline = ascii_timeline(result, cfg.pp, args.width) if args.format == "text" else None
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    try:
+        if args.format == "json":
+            json.dump(_json_report(cfg, result), sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            print(
+                f"schedule={cfg.schedule} pp={cfg.pp} vp={cfg.vp} microbatches={cfg.microbatches}"
+                + (f" group_size={cfg.group_size}" if cfg.is_interleaved else "")
+            )
+            print(timeline)
+            print()
+            print(stats_table(result))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Piped into e.g. `head`: not worth a traceback. Point stdout at devnull so the flush at
+        # interpreter exit does not raise again (the recipe from Python's signal docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump(chrome_trace(result, cfg), f)
+        print(f"wrote trace {args.trace}", file=sys.stderr)
+    if args.plot:
+        try:
+            plot_timeline(result, cfg, args.plot)
+        except ImportError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        print(f"wrote plot {args.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

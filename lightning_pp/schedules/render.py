@@ -1,0 +1,383 @@
+"""Ways to look at a :class:`~lightning_pp.schedules.simulator.SimulationResult`.
+
+* :func:`ascii_timeline` -- one text row per rank, for terminals and docstrings.
+* :func:`stats_table` -- per-rank busy time, bubble and peak in-flight activations.
+* :func:`chrome_trace` -- Chrome / Perfetto trace JSON (open in ``chrome://tracing`` or
+  https://ui.perfetto.dev).
+* :func:`plot_timeline` -- the classic pipeline diagram as an image (needs matplotlib, which is
+  imported only here and only when called).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from lightning_pp.schedules.actions import BACKWARD, FORWARD, FORWARD_BACKWARD, WEIGHT_GRAD, Action
+from lightning_pp.schedules.simulator import SimulationResult
+from lightning_pp.schedules.tables import ScheduleConfig
+
+DEFAULT_WIDTH = 100
+# Wrap a full-detail timeline into at most this many blocks before switching to the scaled view.
+_MAX_BLOCKS = 6
+_ALLREDUCE_LABEL = "AR"
+_SCALED_CHAR = {FORWARD: "F", BACKWARD: "B", FORWARD_BACKWARD: "X", WEIGHT_GRAD: "W"}
+
+
+def _label(action: Action, show_chunks: bool) -> str:
+    """``F3`` / ``B3`` / ``F4+B1`` with one chunk per rank, ``F3.1`` ... with several."""
+    if show_chunks:
+        return action.describe()
+    if action.kind == FORWARD_BACKWARD:
+        return f"F{action.microbatch}+B{action.b_microbatch}"
+    return f"{action.kind}{action.microbatch}"
+
+
+def _uses_chunks(result: SimulationResult) -> bool:
+    for _, action, _, _ in result.events:
+        if action.chunk or (action.kind == FORWARD_BACKWARD and action.b_chunk):
+            return True
+    return False
+
+
+def _format_time(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def ascii_timeline(result: SimulationResult, pp: int, width: Optional[int] = None) -> str:
+    """Text timeline: one row per rank, time running left to right.
+
+    Time is quantised to the shortest action (or an integer fraction of it if that makes every
+    start and end land on a cell boundary): one cell per quantum, each action written as its
+    label (``F3``, ``B3``; ``F3.1`` = microbatch 3 on local chunk 1 when ``vp > 1``; ``F4+B1`` a
+    combined action; ``AR`` the DP gradient all-reduce) followed by ``-`` for as long as it runs,
+    and ``.`` marks an idle cell. If that is wider than ``width`` columns (default 100) the rows
+    wrap into a few blocks; if even that would be too long, each column covers a fixed slice of
+    time and shows one letter (``F``, ``B``, ``X`` = combined, ``W``, ``A`` = all-reduce, ``.``).
+    """
+    width = DEFAULT_WIDTH if width is None else width
+    if width < 20:
+        raise ValueError(f"width={width} is too small for a timeline: use at least 20 columns.")
+    rows = _row_spans(result, pp)
+    durations = [end - start for _, _, start, end in result.events if end > start]
+    if not durations:
+        return "(no action takes any time: nothing to draw)"
+    quantum = _quantum(rows, min(durations))
+    show_chunks = _uses_chunks(result)
+    prefix_width = len(f"rank {pp - 1} |")
+
+    # Per rank: (first cell, end cell (exclusive), label, kind). Rounding can make neighbours
+    # overlap by a cell when times are not multiples of the quantum; keep each row in order.
+    cell_rows = []
+    cell_width = 2
+    total_cells = 0
+    for spans in rows:
+        cells = []
+        previous_end = 0
+        for start, end, kind, action in spans:
+            first = max(int(round(start / quantum)), previous_end)
+            last = max(int(round(end / quantum)), first + 1)
+            label = _ALLREDUCE_LABEL if action is None else _label(action, show_chunks)
+            cells.append((first, last, label, kind))
+            # The label and one separating space must fit in the action's cells.
+            cell_width = max(cell_width, math.ceil((len(label) + 1) / (last - first)))
+            previous_end = last
+        cell_rows.append(cells)
+        total_cells = max(total_cells, previous_end)
+
+    body_width = width - prefix_width
+    blocks = math.ceil(total_cells / max(1, body_width // cell_width))
+    if blocks > _MAX_BLOCKS:
+        return _scaled_timeline(rows, pp, body_width, prefix_width)
+    cells_per_block = math.ceil(total_cells / blocks)  # balanced blocks, no stub of one cell
+
+    lines = [f"1 cell = {_format_time(quantum)} time units; '.' = idle"]
+    for block in range(blocks):
+        lo = block * cells_per_block
+        hi = min(total_cells, lo + cells_per_block)
+        if block:
+            lines.append("")
+        lines.append(" " * prefix_width + _time_axis(lo, hi, cell_width, quantum))
+        for rank, cells in enumerate(cell_rows):
+            lines.append(f"rank {rank:>{len(str(pp - 1))}} |" + _render_cells(cells, lo, hi, cell_width))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _quantum(rows: list, smallest: float) -> float:
+    """The shortest action's duration, or an integer fraction of it when that puts every start and
+    end on a cell boundary (forward 2 and backward 3 give a quantum of 1, not 2 with rounding)."""
+    # Compute actions only: an odd-sized all-reduce is rounded rather than refining the grid for it.
+    boundaries = [t for spans in rows for span in spans if span[3] is not None for t in span[:2]]
+    if len(boundaries) > 20_000:  # far too long for full detail anyway: skip the search
+        return smallest
+    for divisor in (1, 2, 3, 4, 5, 6, 8, 10):
+        quantum = smallest / divisor
+        if all(abs(t / quantum - round(t / quantum)) < 1e-6 for t in boundaries):
+            return quantum
+    return smallest
+
+
+def _row_spans(result: SimulationResult, pp: int) -> list:
+    """Per rank: [(start, end, kind, action or None for the all-reduce)] in time order."""
+    rows: list = [[] for _ in range(pp)]
+    for rank, action, start, end in result.events:
+        if end > start:
+            rows[rank].append((start, end, action.kind, action))
+    if result.allreduce_time > 0:
+        for rank, rank_end in enumerate(result.rank_end):
+            rows[rank].append((rank_end, rank_end + result.allreduce_time, "AR", None))
+    return rows
+
+
+def _time_axis(lo: int, hi: int, cell_width: int, quantum: float) -> str:
+    """Tick labels above the cells of one block, spaced so they never collide."""
+    chars = [" "] * ((hi - lo) * cell_width)
+    step = max(1, math.ceil(8 / cell_width))
+    cell = lo + (-lo) % step  # first multiple of step at or after lo
+    last_written = -1
+    while cell < hi:
+        text = _format_time(cell * quantum)
+        pos = (cell - lo) * cell_width
+        if pos > last_written and pos + len(text) <= len(chars):
+            chars[pos : pos + len(text)] = text
+            last_written = pos + len(text)
+        cell += step
+    return "".join(chars)
+
+
+def _render_cells(cells: list, lo: int, hi: int, cell_width: int) -> str:
+    chars = (".".ljust(cell_width)) * (hi - lo)
+    out = list(chars)
+    for first, last, label, _ in cells:
+        if last <= lo or first >= hi:
+            continue
+        a, b = max(first, lo), min(last, hi)
+        span = (b - a) * cell_width
+        text = label[: max(span - 1, 1)]
+        text = text + "-" * (span - 1 - len(text))
+        text = text[:span].ljust(span)
+        pos = (a - lo) * cell_width
+        out[pos : pos + span] = text
+    return "".join(out)
+
+
+def _scaled_timeline(rows: list, pp: int, body_width: int, prefix_width: int) -> str:
+    """One letter per column; each column covers ``makespan / columns`` time."""
+    makespan = max((spans[-1][1] for spans in rows if spans), default=0.0)
+    columns = body_width
+    per_column = makespan / columns
+    lines = [
+        f"1 column = {_format_time(per_column)} time units (scaled to fit); "
+        "F forward, B backward, X combined F+B, W weight-grad, A DP all-reduce, . idle"
+    ]
+    rank_width = len(str(pp - 1))
+    for rank, spans in enumerate(rows):
+        out = []
+        k = 0
+        for column in range(columns):
+            mid = (column + 0.5) * per_column
+            while k < len(spans) and spans[k][1] <= mid:
+                k += 1
+            if k < len(spans) and spans[k][0] <= mid:
+                kind = spans[k][2]
+                out.append("A" if kind == "AR" else _SCALED_CHAR.get(kind, "?"))
+            else:
+                out.append(".")
+        lines.append(f"rank {rank:>{rank_width}} |" + "".join(out).rstrip("."))
+    return "\n".join(lines)
+
+
+def stats_table(result: SimulationResult) -> str:
+    """Per-rank busy time, bubble, peak in-flight activations and exposed all-to-all, then totals."""
+    header = f"{'rank':>4}  {'busy':>10}  {'bubble':>7}  {'peak in-flight':>14}  {'exposed a2a':>11}"
+    lines = [header, "-" * len(header)]
+    for rank in range(result.pp):
+        lines.append(
+            f"{rank:>4}  {_format_time(result.busy[rank]):>10}  {result.rank_bubble[rank]:>7.1%}  "
+            f"{result.peak_inflight[rank]:>14}  {_format_time(result.exposed_a2a[rank]):>11}"
+        )
+    lines.append("-" * len(header))
+    lines.append(f"bubble fraction: {result.bubble_fraction:.2%}")
+    lines.append(f"pipeline makespan: {_format_time(result.pipeline_makespan)}")
+    if result.allreduce_algorithm == "none":
+        lines.append(f"makespan: {_format_time(result.makespan)}")
+    else:
+        lines.append(
+            f"makespan: {_format_time(result.makespan)} (incl. DP all-reduce "
+            f"{_format_time(result.allreduce_time)}, {result.allreduce_algorithm})"
+        )
+    return "\n".join(lines)
+
+
+def _action_args(action: Action, pp: int, rank: int) -> dict:
+    if action.kind == FORWARD_BACKWARD:
+        return {
+            "f_microbatch": action.microbatch,
+            "f_chunk": action.chunk,
+            "f_stage": action.chunk * pp + rank,
+            "b_microbatch": action.b_microbatch,
+            "b_chunk": action.b_chunk,
+            "b_stage": action.b_chunk * pp + rank,
+        }
+    return {"microbatch": action.microbatch, "chunk": action.chunk, "stage": action.chunk * pp + rank}
+
+
+_CATEGORY = {FORWARD: "forward", BACKWARD: "backward", FORWARD_BACKWARD: "forward_backward", WEIGHT_GRAD: "weight_grad"}
+
+
+def chrome_trace(result: SimulationResult, cfg: ScheduleConfig, us_per_unit: float = 1000.0) -> dict:
+    """Chrome / Perfetto trace: one process track per rank, one complete (``"X"``) event per action.
+
+    Cost-model time units become ``us_per_unit`` microseconds (default: 1 unit = 1 ms), so a
+    unit-cost schedule reads naturally in the viewer. The DP all-reduce, if any, is a second
+    thread of each rank.
+    """
+    events: list = []
+    for rank in range(cfg.pp):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"pp rank {rank}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "compute"}})
+    for rank, action, start, end in result.events:
+        events.append(
+            {
+                "name": action.describe(),
+                "cat": _CATEGORY.get(action.kind, action.kind),
+                "ph": "X",
+                "ts": start * us_per_unit,
+                "dur": (end - start) * us_per_unit,
+                "pid": rank,
+                "tid": 0,
+                "args": _action_args(action, cfg.pp, rank),
+            }
+        )
+    if result.allreduce_time > 0:
+        for rank, rank_end in enumerate(result.rank_end):
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1, "args": {"name": "dp all-reduce"}})
+            events.append(
+                {
+                    "name": f"all-reduce ({result.allreduce_algorithm})",
+                    "cat": "allreduce",
+                    "ph": "X",
+                    "ts": rank_end * us_per_unit,
+                    "dur": result.allreduce_time * us_per_unit,
+                    "pid": rank,
+                    "tid": 1,
+                    "args": {"algorithm": result.allreduce_algorithm},
+                }
+            )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "schedule": cfg.schedule,
+            "pp": cfg.pp,
+            "vp": cfg.vp,
+            "microbatches": cfg.microbatches,
+            "bubble_fraction": result.bubble_fraction,
+            "makespan": result.makespan,
+            "us_per_unit": us_per_unit,
+        },
+    }
+
+
+def _mix(rgb, other, weight: float) -> tuple:
+    return tuple(weight * a + (1.0 - weight) * b for a, b in zip(rgb, other))
+
+
+def plot_timeline(result: SimulationResult, cfg: ScheduleConfig, path) -> None:
+    """Save the classic pipeline diagram to ``path`` (format from the extension, e.g. ``.png``).
+
+    Rows are ranks (rank 0 on top), one colour per microbatch, forwards lighter and backwards
+    darker; a combined ``FB`` action is split horizontally, its forward half on top. Uses the Agg
+    canvas directly, so it never touches pyplot's global state or the user's backend.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+        import matplotlib
+    except ImportError as err:  # pragma: no cover - exercised only without matplotlib
+        raise ImportError(
+            "plot_timeline needs matplotlib, which is not installed: run `pip install lightning_pp[plot]`."
+        ) from err
+
+    palette = matplotlib.colormaps["tab10" if cfg.microbatches <= 10 else "turbo"]
+
+    def base_colour(microbatch: int) -> tuple:
+        if cfg.microbatches <= 10:
+            return palette(microbatch % 10)[:3]
+        return palette(microbatch / max(cfg.microbatches - 1, 1))[:3]
+
+    white, black = (1.0, 1.0, 1.0), (0.0, 0.0, 0.0)
+    makespan = max(result.makespan, 1e-12)
+    fig = Figure(figsize=(min(max(8.0, makespan * 0.2), 32.0), min(1.2 + 0.45 * cfg.pp, 40.0)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+
+    # One broken_barh (one collection) per rank and half, so large tables stay fast to draw.
+    full = [[] for _ in range(cfg.pp)]
+    top = [[] for _ in range(cfg.pp)]
+    bottom = [[] for _ in range(cfg.pp)]
+    labels = []
+    for rank, action, start, end in result.events:
+        span = (start, end - start)
+        if action.kind == FORWARD_BACKWARD:
+            top[rank].append((span, _mix(base_colour(action.microbatch), white, 0.55)))
+            bottom[rank].append((span, _mix(base_colour(action.b_microbatch), black, 0.7)))
+        elif action.kind == FORWARD:
+            full[rank].append((span, _mix(base_colour(action.microbatch), white, 0.55)))
+        elif action.kind == BACKWARD:
+            full[rank].append((span, _mix(base_colour(action.microbatch), black, 0.7)))
+        else:
+            full[rank].append((span, (0.6, 0.6, 0.6)))
+        labels.append((rank, action, start, end))
+
+    height = 0.8
+    for rank in range(cfg.pp):
+        y = rank - height / 2
+        for bars, y0, h in ((full[rank], y, height), (top[rank], y, height / 2), (bottom[rank], y + height / 2, height / 2)):
+            if bars:
+                ax.broken_barh([b[0] for b in bars], (y0, h), facecolors=[b[1] for b in bars], edgecolor="white", linewidth=0.4)
+        if result.allreduce_time > 0:
+            ax.broken_barh(
+                [(result.rank_end[rank], result.allreduce_time)], (y, height),
+                facecolors="lightgrey", edgecolor="grey", hatch="//", linewidth=0.4,
+            )
+
+    if len(labels) <= 400:
+        show_chunks = cfg.vp > 1
+        points_per_unit = fig.get_figwidth() * 72 * 0.85 / makespan  # roughly: axes span ~85% of the figure
+        for rank, action, start, end in labels:
+            if action.kind == FORWARD_BACKWARD:
+                texts = [(rank - height / 4, f"F{action.microbatch}" + (f".{action.chunk}" if show_chunks else "")),
+                         (rank + height / 4, f"B{action.b_microbatch}" + (f".{action.b_chunk}" if show_chunks else ""))]
+            else:
+                texts = [(rank, _label(action, show_chunks))]
+            for y, text in texts:
+                if (end - start) * points_per_unit < 4.5 * len(text):
+                    continue  # would not fit inside the bar at 7 pt
+                ax.text((start + end) / 2, y, text, ha="center", va="center", fontsize=7)
+
+    ax.set_ylim(cfg.pp - 0.5, -0.5)
+    ax.set_yticks(range(cfg.pp))
+    ax.set_yticklabels([f"rank {r}" for r in range(cfg.pp)])
+    ax.set_xlim(0, makespan)
+    ax.set_xlabel("time (cost-model units)")
+    ax.set_title(
+        f"{cfg.schedule}  pp={cfg.pp} vp={cfg.vp} microbatches={cfg.microbatches}  "
+        f"bubble {result.bubble_fraction:.1%}  makespan {_format_time(result.makespan)}"
+    )
+    ax.legend(
+        handles=[
+            Patch(facecolor=_mix(base_colour(0), white, 0.55), label="forward (lighter)"),
+            Patch(facecolor=_mix(base_colour(0), black, 0.7), label="backward (darker)"),
+        ],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+__all__ = ["ascii_timeline", "chrome_trace", "plot_timeline", "stats_table"]
