@@ -140,13 +140,14 @@ class PipelineExecutor:
         self._current: Optional[Action] = None
 
     # -- public steps -------------------------------------------------------------------------
-    def train_step(self, batch: Any) -> StepResult:
+    def train_step(self, batch: Any, grad_scale: float = 1.0) -> StepResult:
         """Forward and backward of every microbatch; gradients are accumulated into ``.grad``
-        (added to any already there) and equal those of the whole batch on one device."""
+        (added to any already there) and equal ``grad_scale`` times those of the whole batch on one
+        device (``grad_scale = 1 / accumulate_grad_batches`` under gradient accumulation)."""
         saved = {p: p.grad for p in self.grad_sync.params if p.grad is not None}
         for p in saved:
             p.grad = None
-        result = self._guarded(lambda: self._step(batch, train=True))
+        result = self._guarded(lambda: self._step(batch, train=True, grad_scale=grad_scale))
         for p, grad in saved.items():
             p.grad = grad if p.grad is None else p.grad.add_(grad)
         return result
@@ -192,7 +193,8 @@ class PipelineExecutor:
         self.board.report(f"{where} failed: {type(exc).__name__}: {exc}")
         add_note(exc, f"lightning_pp: the pipeline step failed on {where}.")
 
-    def _step(self, batch: Any, train: bool, compute_loss: bool = True, collect: bool = False) -> StepResult:
+    def _step(self, batch: Any, train: bool, compute_loss: bool = True, collect: bool = False,
+              grad_scale: float = 1.0) -> StepResult:
         cfg = self.config
         microbatches = split_microbatches(batch, cfg.microbatches)
         for src, order in self.expected[not train].items():
@@ -229,7 +231,7 @@ class PipelineExecutor:
                 )
             loss = totals[0] / totals[1]
         if train:
-            self.grad_sync.finish(scale=1.0 / count)
+            self.grad_sync.finish(scale=grad_scale / count)
         outputs, self._outputs, self._saved, self._batches = self._outputs, [], {}, None
         return StepResult(loss=loss, num_samples=count, outputs=outputs)
 

@@ -1,0 +1,307 @@
+"""``PipelineStrategy``: pipeline (and expert) parallelism for ``lightning.pytorch.Trainer``.
+
+It subclasses Lightning's ``DDPStrategy`` so launchers, cluster environments (torchrun, SLURM,
+multi-node) and the world-group collectives work as they do for DDP, and replaces the parts that
+differ:
+
+* ``setup`` cuts the LightningModule into this rank's pipeline chunks *before* the optimizers are
+  built, so ``configure_optimizers`` sees only this rank's parameters (under global names);
+* ``training_step`` runs every microbatch's forward and backward through the schedule. The
+  automatic-optimization loop is told to skip its own backward and zero_grad (zero_grad would
+  otherwise run after the step and wipe the pipeline's gradients); the strategy zeroes gradients
+  itself at the start of each accumulation window, with the usual hooks. Optimizer and LR
+  scheduler steps, ``accumulate_grad_batches``, ``on_before_optimizer_step`` and gradient clipping
+  stay Lightning's; clipping by norm uses the global norm over all pipeline and expert ranks;
+* ``validation_step`` / ``test_step`` / ``predict_step`` run the forward-only schedule;
+* the batch loss reaches every rank (so rank 0's loggers and progress bar show the real loss),
+  and ``self.log`` calls made in ``pipeline_loss`` on the last stage are replayed on every rank;
+* checkpoints are sharded DCP directories with global names (see ``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_pp.strategies import checkpoint as ckpt
+from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineOptions
+
+ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe"]
+
+
+class _PipelineAutomaticOptimization(_AutomaticOptimization):
+    """Lightning's automatic optimization with backward and zero_grad always skipped: the
+    pipeline step computes the gradients inside ``training_step``. (A flag on the stock loop could
+    be reset by other code, e.g. the SWA callback; this loop's cannot.)"""
+
+    @property
+    def _skip_backward(self) -> bool:
+        return True
+
+    @_skip_backward.setter
+    def _skip_backward(self, value: bool) -> None:
+        pass
+
+
+class PipelineStrategy(DDPStrategy):
+    """Pipeline-parallel training for the Lightning Trainer.
+
+    Args:
+        pipeline_parallel_size: pipeline stages; default world size / expert size.
+        expert_parallel_size: ranks per expert-parallel group (inside one stage).
+        virtual_pipeline_size: model chunks per rank (>= 2 for ``interleaved``).
+        num_microbatches: microbatches per batch; default 2 x pipeline size.
+        schedule: ``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"`` or ``"gpipe"``.
+        layout: layers per virtual stage, as a list or a Megatron-style string; default balanced.
+        microbatch_group_size: interleaved grouping of microbatches; default pipeline size.
+        pipeline_timeout: how long any stage-boundary transfer may wait before the step fails.
+        process_group_backend, timeout, start_method, accelerator, parallel_devices,
+        cluster_environment, checkpoint_io, precision_plugin: as for ``DDPStrategy``.
+    """
+
+    strategy_name = "pp_1f1b"
+
+    def __init__(
+        self,
+        pipeline_parallel_size: Optional[int] = None,
+        expert_parallel_size: int = 1,
+        virtual_pipeline_size: int = 1,
+        num_microbatches: Optional[int] = None,
+        schedule: ScheduleName = "1f1b",
+        layout: Optional[Union[str, list[int]]] = None,
+        microbatch_group_size: Optional[int] = None,
+        pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[datetime.timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.options = PipelineOptions(
+            pipeline_parallel_size, expert_parallel_size, virtual_pipeline_size, num_microbatches,
+            schedule, layout, microbatch_group_size, pipeline_timeout,
+        )
+        self.options.check_static()
+        self.engine = PipelineEngine(self.options)
+
+    # -- configuration checks before any process starts ----------------------------------------
+    def _configure_launcher(self) -> None:
+        # Runs in the launching process once devices and nodes are known: a configuration that
+        # cannot work fails here, before processes are spawned or groups created.
+        self.options.check(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every stage of one pipeline must see the same batch: shard the data over dp only.
+        dims = self.options.dims(self.world_size)
+        return {"num_replicas": dims.dp, "rank": dims.coordinates(self.global_rank)["dp"]}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # shards are loaded into the cut model and its optimizers
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # done in load_checkpoint
+
+    # -- setup --------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.engine.setup_topology(self.root_device.type)
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self.engine.topology.mesh
+
+    def setup(self, trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.engine.setup_module(self.lightning_module, self.root_device)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            epoch_loop = trainer.fit_loop.epoch_loop
+            if not isinstance(epoch_loop.automatic_optimization, _PipelineAutomaticOptimization):
+                replacement = _PipelineAutomaticOptimization(trainer)
+                replacement.optim_progress = epoch_loop.automatic_optimization.optim_progress
+                epoch_loop.automatic_optimization = replacement
+            self.setup_optimizers(trainer)
+            self._install_global_clipping()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _install_global_clipping(self) -> None:
+        engine = self.engine
+
+        def clip_grad_by_norm(optimizer, clip_val: Union[int, float]) -> None:
+            engine.clip_grad_norm(float(clip_val))
+
+        # The precision plugin's norm clipping is per rank; the pipeline's norm is global.
+        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    # -- steps --------------------------------------------------------------------------------
+    def _zero_grad(self, batch_idx: int) -> None:
+        trainer = self.lightning_module.trainer
+        if batch_idx % trainer.accumulate_grad_batches != 0:
+            return
+        loop = trainer.fit_loop.epoch_loop.automatic_optimization
+        for optimizer in self.optimizers:
+            loop._on_before_zero_grad(optimizer)
+            loop._optimizer_zero_grad(batch_idx, optimizer)
+
+    def pipeline_step(self, batch: Any, grad_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of every microbatch of ``batch``; returns the batch loss (on every
+        rank). Gradients are added to ``.grad``. For manual optimization, call this from
+        ``training_step`` instead of ``self.manual_backward``."""
+        with self.precision_plugin.train_step_context():
+            result = self.engine.executor.train_step(batch, grad_scale=grad_scale)
+        return result.loss.to(torch.float32)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        trainer = module.trainer
+        if not module.automatic_optimization:
+            # Manual optimization: the user's training_step calls self.pipeline_step(batch).
+            return super().training_step(*args, **kwargs)
+        batch, batch_idx = args[0], args[1]
+        self._zero_grad(batch_idx)
+        loss = self.pipeline_step(batch, grad_scale=1.0 / trainer.accumulate_grad_batches)
+        # The backward already ran inside the schedule; the hooks are called once it is done,
+        # so on_after_backward sees the final (reduced, normalised) gradients.
+        call._call_callback_hooks(trainer, "on_before_backward", loss)
+        call._call_lightning_module_hook(trainer, "on_before_backward", loss)
+        call._call_callback_hooks(trainer, "on_after_backward")
+        call._call_lightning_module_hook(trainer, "on_after_backward")
+        self._replay_logs(len_of(batch))
+        module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len_of(batch))
+        return loss
+
+    def _eval_step(self, batch: Any, name: str) -> torch.Tensor:
+        result = self.engine.executor.eval_step(batch, compute_loss=True)
+        loss = result.loss.to(torch.float32)
+        self._replay_logs(len_of(batch))
+        self.lightning_module.log(name, loss, prog_bar=True, batch_size=len_of(batch))
+        return loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(args[0], "val_loss")
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step(args[0], "test_loss")
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.engine.executor.eval_step(args[0], compute_loss=False, collect_outputs=True)
+        return self.engine.gather_outputs(result.outputs)
+
+    def _replay_logs(self, batch_size: Optional[int]) -> None:
+        from lightning.pytorch import LightningModule
+
+        for name, (value, kwargs) in self.engine.gather_logs().items():
+            kwargs = dict(kwargs)
+            kwargs.setdefault("batch_size", batch_size)
+            LightningModule.log(self.lightning_module, name, torch.tensor(value, dtype=torch.float32), **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError(
+            "manual_backward cannot run under pipeline parallelism: the forward and backward of different "
+            "microbatches interleave across ranks. In training_step call "
+            "`loss = self.trainer.strategy.pipeline_step(batch)` (it runs forward and backward of every "
+            "microbatch and returns the batch loss), then step your optimizers."
+        )
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module.state_dict()
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return ckpt.optimizer_state(self.lightning_module, optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("PipelineStrategy.save_checkpoint does not take storage_options (DCP writes the shards).")
+        shards = {"model": checkpoint.pop("state_dict")}
+        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            shards[f"optimizer_{i}"] = state
+        ckpt.save(filepath, shards, checkpoint)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        module = self.lightning_module
+        if not ckpt.is_sharded_checkpoint(checkpoint_path):
+            # A single-file (e.g. consolidated) checkpoint: weights only.
+            checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=bool(weights_only))
+            ckpt.load_full_state_dict(module, checkpoint["state_dict"])
+            return checkpoint
+        shards = {"model": module.state_dict()}
+        fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = self.optimizers if fitting else []
+        for i, optimizer in enumerate(optimizers):
+            shards[f"optimizer_{i}"] = ckpt.optimizer_state(module, optimizer)
+        meta = ckpt.load(checkpoint_path, shards)
+        for i, optimizer in enumerate(optimizers):
+            ckpt.load_optimizer_state(module, optimizer, shards[f"optimizer_{i}"])
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded in load_checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            import shutil
+            from pathlib import Path
+
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(strategy_registry, cls)
+
+
+def len_of(batch: Any) -> Optional[int]:
+    from lightning_pp.runtime.microbatch import batch_size
+
+    return batch_size(batch)
+
+
+REGISTERED = {
+    "pp_1f1b": dict(schedule="1f1b"),
+    "pp_gpipe": dict(schedule="gpipe"),
+    "pp_interleaved": dict(schedule="interleaved", virtual_pipeline_size=2),
+    "pp_combined_1f1b": dict(schedule="combined_1f1b"),
+}
+
+
+def register_names(registry: Any, cls: type) -> None:
+    for name, params in REGISTERED.items():
+        if name not in registry:
+            registry.register(name, cls, description=f"lightning_pp pipeline parallelism ({params['schedule']})", **params)
+

@@ -1,0 +1,80 @@
+"""A LightningModule with the pipeline protocol whose single-device training is the reference."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from models import Block
+
+
+class PipeRegressor(L.LightningModule):
+    def __init__(self, dim_in: int = 5, hidden: int = 8, dim_out: int = 3, blocks: int = 6, lr: float = 1e-2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Linear(dim_in, hidden)
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(blocks))
+        self.head = nn.Linear(hidden, dim_out)
+        self.hook_calls = {"on_after_backward": 0, "on_before_optimizer_step": 0}
+        self.grad_norms = []
+
+    # -- the pipeline protocol --
+    def pipeline_layers(self):
+        return [self.embed, *self.blocks, self.head]
+
+    def pipeline_loss(self, output, batch):
+        loss = F.mse_loss(output, batch[1])
+        self.log("mae", F.l1_loss(output, batch[1]), prog_bar=True, sync_dist=True)
+        return loss
+
+    # -- unchanged single-device code --
+    def forward(self, x):
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+    def training_step(self, batch, batch_idx):
+        loss = self.pipeline_loss(self(batch[0]), batch)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.pipeline_loss(self(batch[0]), batch)
+        self.log("val_loss", loss, prog_bar=True)
+        return loss
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def on_after_backward(self):
+        self.hook_calls["on_after_backward"] += 1
+
+    def on_before_optimizer_step(self, optimizer):
+        self.hook_calls["on_before_optimizer_step"] += 1
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def regression_data(n: int = 48, dim_in: int = 5, dim_out: int = 3, seed: int = 3) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim_in, generator=g)
+    y = torch.randn(n, dim_out, generator=g) + x[:, :dim_out]
+    return TensorDataset(x, y)
+
+
+def loader(batch_size: int, n: int = 48, dp: int = 1, dp_rank: int = 0) -> DataLoader:
+    """Sequential batches. With ``dp > 1``: this data-parallel rank's share of each global batch of
+    ``batch_size * dp`` rows, so the dp ranks together see exactly the single-device batches."""
+    data = regression_data(n)
+    if dp > 1:
+        global_batch = batch_size * dp
+        rows = [i for start in range(0, n, global_batch)
+                for i in range(start + dp_rank * batch_size, min(start + (dp_rank + 1) * batch_size, n))]
+        data = TensorDataset(*(t[rows] for t in data.tensors))
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
