@@ -118,6 +118,8 @@ TWO_RANK_CASES = [
     dict(model="tied", pp=2, m=3, schedule="1f1b", batch=6),  # tied embedding/head, variable seq length
     dict(model="tied_sum", pp=2, vp=2, m=4, schedule="interleaved", batch=8),  # (sum, count) loss
     dict(model="tuple", pp=2, m=4, schedule="1f1b", batch=9),  # tuple stage boundary
+    dict(model="regressor", pp=2, m=5, schedule="combined_1f1b", batch=11),
+    dict(model="tied", pp=2, vp=2, m=4, schedule="combined_1f1b", batch=8),
 ]
 
 FOUR_RANK_PP4 = [
@@ -126,6 +128,7 @@ FOUR_RANK_PP4 = [
     dict(model="regressor", pp=4, vp=2, m=4, schedule="interleaved", batch=8),
     dict(model="regressor", pp=4, m=4, schedule="gpipe", batch=6),
     dict(model="tied", pp=4, m=4, schedule="1f1b", batch=8),
+    dict(model="regressor", pp=4, vp=2, m=8, schedule="combined_1f1b", batch=8),
 ]
 
 FOUR_RANK_DP2 = [
