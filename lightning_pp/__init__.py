@@ -1,20 +1,23 @@
 """lightning_pp: pipeline and expert parallelism for PyTorch Lightning and Fabric.
 
 Importing the package registers the strategy names (``pp_1f1b``, ``pp_interleaved``,
-``pp_combined_1f1b``, ``pp_gpipe``) with both the Trainer's and Fabric's registries.
+``pp_combined_1f1b``, ``pp_gpipe``) with the Trainer's and Fabric's registries. Lightning itself is
+imported only when it is used (see ``strategies/registration.py``).
 """
 
-from lightning_pp.strategies import PipelineStrategy
-from lightning_pp.strategies.trainer import register_names
+from typing import Any
 
+from lightning_pp.strategies.registration import install as _install
 
-def _register() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
+_install()
 
-    register_names(StrategyRegistry, PipelineStrategy)
-
-
-_register()
-
-__all__ = ["PipelineStrategy"]
+__all__ = ["FabricPipelineStrategy", "PipelineStrategy"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        import lightning_pp.strategies as strategies
+
+        return getattr(strategies, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,20 @@
-"""Lightning Trainer and Fabric strategies (the only layer that imports Lightning)."""
+"""Lightning Trainer and Fabric strategies (the only layer that imports Lightning).
 
-from lightning_pp.strategies.core import PipelineEngine, PipelineOptions
-from lightning_pp.strategies.trainer import PipelineStrategy
+The classes are imported on first access, so importing the package stays cheap.
+"""
 
-__all__ = ["PipelineEngine", "PipelineOptions", "PipelineStrategy"]
+from typing import Any
+
+__all__ = ["FabricPipelineStrategy", "PipelineStrategy"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PipelineStrategy":
+        from lightning_pp.strategies.trainer import PipelineStrategy
+
+        return PipelineStrategy
+    if name == "FabricPipelineStrategy":
+        from lightning_pp.strategies.fabric import FabricPipelineStrategy
+
+        return FabricPipelineStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

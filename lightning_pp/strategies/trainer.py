@@ -34,6 +34,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pp.strategies import checkpoint as ckpt
+from lightning_pp.strategies.registration import register_into
 from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineOptions
 
 ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe"]
@@ -178,7 +179,7 @@ class PipelineStrategy(DDPStrategy):
         ``training_step`` instead of ``self.manual_backward``."""
         with self.precision_plugin.train_step_context():
             result = self.engine.executor.train_step(batch, grad_scale=grad_scale)
-        return result.loss.to(torch.float32)
+        return result.loss
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
@@ -201,7 +202,7 @@ class PipelineStrategy(DDPStrategy):
 
     def _eval_step(self, batch: Any, name: str) -> torch.Tensor:
         result = self.engine.executor.eval_step(batch, compute_loss=True)
-        loss = result.loss.to(torch.float32)
+        loss = result.loss
         self._replay_logs(len_of(batch))
         self.lightning_module.log(name, loss, prog_bar=True, batch_size=len_of(batch))
         return loss
@@ -283,25 +284,10 @@ class PipelineStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        register_names(strategy_registry, cls)
+        register_into(strategy_registry, cls)
 
 
 def len_of(batch: Any) -> Optional[int]:
     from lightning_pp.runtime.microbatch import batch_size
 
     return batch_size(batch)
-
-
-REGISTERED = {
-    "pp_1f1b": dict(schedule="1f1b"),
-    "pp_gpipe": dict(schedule="gpipe"),
-    "pp_interleaved": dict(schedule="interleaved", virtual_pipeline_size=2),
-    "pp_combined_1f1b": dict(schedule="combined_1f1b"),
-}
-
-
-def register_names(registry: Any, cls: type) -> None:
-    for name, params in REGISTERED.items():
-        if name not in registry:
-            registry.register(name, cls, description=f"lightning_pp pipeline parallelism ({params['schedule']})", **params)
-

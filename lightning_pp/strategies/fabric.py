@@ -1,0 +1,188 @@
+"""``FabricPipelineStrategy``: pipeline (and expert) parallelism for ``lightning.fabric.Fabric``.
+
+Usage::
+
+    fabric = Fabric(strategy="pp_1f1b", devices=2)          # or FabricPipelineStrategy(...)
+    fabric.launch()
+    model = fabric.setup_module(MyModel())                   # cuts the model for this rank
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    for batch in loader:
+        optimizer.zero_grad()
+        loss = fabric.strategy.pipeline_step(model, batch)   # forward + backward, all microbatches
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)  # global norm
+        optimizer.step()
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import DDPStrategy
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_pp.strategies import checkpoint as ckpt
+from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineOptions
+from lightning_pp.strategies.registration import register_into
+
+ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe"]
+
+
+def _unwrap(module: Any) -> nn.Module:
+    return getattr(module, "_forward_module", module)  # _FabricModule -> the user's module
+
+
+class FabricPipelineStrategy(DDPStrategy):
+    """Pipeline-parallel strategy for Fabric; the constructor mirrors ``PipelineStrategy``."""
+
+    def __init__(
+        self,
+        pipeline_parallel_size: Optional[int] = None,
+        expert_parallel_size: int = 1,
+        virtual_pipeline_size: int = 1,
+        num_microbatches: Optional[int] = None,
+        schedule: ScheduleName = "1f1b",
+        layout: Optional[Union[str, list[int]]] = None,
+        microbatch_group_size: Optional[int] = None,
+        pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[datetime.timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.options = PipelineOptions(
+            pipeline_parallel_size, expert_parallel_size, virtual_pipeline_size, num_microbatches,
+            schedule, layout, microbatch_group_size, pipeline_timeout,
+        )
+        self.options.check_static()
+        self.engine = PipelineEngine(self.options)
+        self._backward_sync_control = None
+
+    def _configure_launcher(self) -> None:
+        self.options.check(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dims = self.options.dims(self.world_size)
+        return {"num_replicas": dims.dp, "rank": dims.coordinates(self.global_rank)["dp"]}
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.engine.setup_topology(self.root_device.type)
+
+    # -- modules and optimizers ---------------------------------------------------------------
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None):
+        if optimizers:
+            raise RuntimeError(
+                "FabricPipelineStrategy cuts the model into pipeline stages, which frees the parameters of "
+                "other ranks: an optimizer created before the cut would hold them. Call "
+                "`model = fabric.setup_module(model)` first, then create the optimizer from "
+                "`model.parameters()` and call `fabric.setup_optimizers(optimizer)`."
+            )
+        return self.setup_module(module), [], scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self.engine.setup_module(module, self.root_device)
+        return module
+
+    def module_to_device(self, module: nn.Module) -> None:
+        module.to(self.root_device)
+
+    def pipeline_step(self, module: nn.Module, batch: Any) -> torch.Tensor:
+        """Forward and backward of every microbatch of ``batch`` through the pipeline; gradients are
+        added to ``.grad`` (zero them yourself, as with ``loss.backward()``). Returns the batch loss
+        on every rank."""
+        executor = _unwrap(module)._lpp_executor
+        with self.precision.forward_context():
+            result = executor.train_step(self.precision.convert_input(batch))
+        self.engine.recorder.take()  # Fabric has no logger hook in the step: drop recorded logs
+        return result.loss
+
+    def pipeline_eval(self, module: nn.Module, batch: Any, collect_outputs: bool = False) -> Any:
+        """Forward-only pass: the batch loss, or (with ``collect_outputs``) the last stage's
+        outputs gathered on every rank."""
+        executor = _unwrap(module)._lpp_executor
+        with self.precision.forward_context():
+            result = executor.eval_step(self.precision.convert_input(batch), compute_loss=not collect_outputs,
+                                        collect_outputs=collect_outputs)
+        self.engine.recorder.take()
+        if collect_outputs:
+            return self.engine.gather_outputs(result.outputs)
+        return result.loss
+
+    def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "fabric.backward cannot run under pipeline parallelism: forward and backward of different "
+            "microbatches interleave across ranks. Use `loss = fabric.strategy.pipeline_step(model, batch)`, "
+            "which runs forward and backward of every microbatch, then step the optimizer."
+        )
+
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        self.precision.unscale_gradients(optimizer)
+        return self.engine.clip_grad_norm(float(max_norm), float(norm_type), error_if_nonfinite)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError("FabricPipelineStrategy.save_checkpoint supports neither storage_options nor filter.")
+        shards, meta, module = {}, {}, self._find_module(state)
+        for key, obj in state.items():
+            if isinstance(obj, nn.Module):
+                shards[key] = _unwrap(obj).state_dict()
+            elif isinstance(obj, Optimizer):
+                shards[key] = ckpt.optimizer_state(module, obj)
+            else:
+                meta[key] = obj
+        ckpt.save(path, shards, meta)
+
+    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if isinstance(state, (nn.Module, Optimizer)) or state is None:
+            raise TypeError("FabricPipelineStrategy.load_checkpoint needs the state dict you saved, e.g. {'model': model, 'optimizer': opt}.")
+        module = self._find_module(state)
+        shards = {}
+        for key, obj in state.items():
+            if isinstance(obj, nn.Module):
+                shards[key] = _unwrap(obj).state_dict()
+            elif isinstance(obj, Optimizer):
+                shards[key] = ckpt.optimizer_state(module, obj)
+        meta = ckpt.load(path, shards)
+        for key, obj in state.items():
+            if isinstance(obj, Optimizer):
+                ckpt.load_optimizer_state(module, obj, shards[key])
+        for key in list(meta):
+            if key in state and not isinstance(state[key], (nn.Module, Optimizer)):
+                state[key] = meta.pop(key)
+        return meta
+
+    @staticmethod
+    def _find_module(state: dict[str, Any]) -> Optional[nn.Module]:
+        for obj in state.values():
+            if isinstance(obj, nn.Module):
+                return _unwrap(obj)
+        return None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_into(strategy_registry, cls)
