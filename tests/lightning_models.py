@@ -46,6 +46,11 @@ class PipeRegressor(L.LightningModule):
         self.log("val_loss", loss, prog_bar=True)
         return loss
 
+    def test_step(self, batch, batch_idx):
+        loss = self.pipeline_loss(self(batch[0]), batch)
+        self.log("test_loss", loss)
+        return loss
+
     def predict_step(self, batch, batch_idx):
         return self(batch[0])
 

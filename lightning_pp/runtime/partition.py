@@ -119,8 +119,9 @@ class NotOnThisStage(nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError(
             f"layer {self.layer_index} ({self.layer_name}) lives on virtual stage {self.stage}, not on "
-            f"this pipeline rank: a pipelined model runs through the strategy's pipeline step, not by "
-            f"calling its layers directly."
+            f"this pipeline rank: a pipelined model runs through its pipeline step, not by calling its "
+            f"layers. Use `self.trainer.strategy.pipeline_step(batch)` (Trainer, manual optimization), "
+            f"`fabric.strategy.pipeline_step(model, batch)` (Fabric) or `executor.train_step(batch)`."
         )
 
     def extra_repr(self) -> str:

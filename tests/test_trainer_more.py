@@ -1,0 +1,148 @@
+"""Trainer: evaluation/prediction through the pipeline, manual optimization, and bad input
+answered before training starts."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from distributed import DistributedFailure, run_distributed
+from lightning_models import PipeRegressor, loader
+
+QUIET = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+             enable_checkpointing=False, use_distributed_sampler=False, precision="64-true")
+
+
+def _strategy(**kw):
+    from lightning_pp import PipelineStrategy
+
+    return PipelineStrategy(**kw)
+
+
+def _predict_and_test(rank, world):
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.manual_seed(0)
+    model = PipeRegressor()
+    trainer = L.Trainer(devices=world, strategy=_strategy(num_microbatches=3), **QUIET)
+    preds = trainer.predict(model, loader(6, n=12))
+    tested = trainer.test(model, loader(6, n=12), verbose=False)
+    return [p.clone() for p in preds], tested
+
+
+def test_predict_and_test_run_through_the_pipeline():
+    torch.manual_seed(0)
+    ref = PipeRegressor().double()
+    data = list(loader(6, n=12))
+    with torch.no_grad():
+        ref_preds = [ref(x.double()) for x, _ in data]
+        ref_loss = sum(float(ref.pipeline_loss(ref(x.double()), (x, y.double()))) for x, y in data) / len(data)
+    for preds, tested in run_distributed(_predict_and_test, 2, timeout=200):
+        assert len(preds) == len(ref_preds)
+        for got, want in zip(preds, ref_preds):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+        assert tested[0]["test_loss"] == pytest.approx(ref_loss, rel=1e-9)
+
+
+class ManualModule(PipeRegressor):
+    def __init__(self, use_manual_backward: bool):
+        super().__init__()
+        self.automatic_optimization = False
+        self.use_manual_backward = use_manual_backward
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        if self.use_manual_backward:
+            loss = self.pipeline_loss(self(batch[0]), batch)
+            self.manual_backward(loss)
+        else:
+            loss = self.trainer.strategy.pipeline_step(batch)
+        opt.step()
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _manual(rank, world, use_manual_backward):
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.manual_seed(0)
+    model = ManualModule(use_manual_backward)
+    trainer = L.Trainer(devices=world, strategy=_strategy(num_microbatches=2), max_steps=3, **QUIET)
+    trainer.fit(model, loader(8))
+    return model.losses
+
+
+def test_manual_optimization_uses_pipeline_step():
+    torch.manual_seed(0)
+    ref = ManualModule(False).double()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    for step, (x, y) in enumerate(loader(8)):
+        if step == 3:
+            break
+        loss = ref.pipeline_loss(ref(x.double()), (x, y.double()))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_losses.append(float(loss))
+    for losses in run_distributed(_manual, 2, False, timeout=200):
+        assert losses == pytest.approx(ref_losses, rel=1e-9)
+
+
+def test_manual_backward_is_refused_with_the_fix():
+    with pytest.raises(DistributedFailure) as info:
+        run_distributed(_manual, 2, True, timeout=200)
+    assert all("pipeline_step(batch)" in message for message in info.value.errors.values()), info.value.errors
+
+
+class NoProtocol(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(5, 3)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_bad(rank, world, what):
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.manual_seed(0)
+    if what == "protocol":
+        model, data, strategy = NoProtocol(), loader(8), _strategy()
+    else:  # a batch of 3 samples cannot feed 4 microbatches
+        model, data, strategy = PipeRegressor(), loader(3), _strategy(num_microbatches=4)
+    L.Trainer(devices=world, strategy=strategy, max_steps=2, **QUIET).fit(model, data)
+    return "trained"
+
+
+@pytest.mark.parametrize("what,needle", [
+    ("protocol", "missing `pipeline_layers`, `pipeline_loss`"),
+    ("batch", "a batch of size 3 cannot be split into num_microbatches=4"),
+])
+def test_bad_input_fails_on_every_rank_before_training(what, needle):
+    with pytest.raises(DistributedFailure) as info:
+        run_distributed(_fit_bad, 2, what, timeout=120)
+    assert set(info.value.errors) == {0, 1}
+    assert all(needle in message for message in info.value.errors.values()), info.value.errors
+
+
+def test_indivisible_devices_fail_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"world size 3 is not divisible by .* 2 \* 1"):
+        L.Trainer(devices=3, strategy=_strategy(pipeline_parallel_size=2), **QUIET)
+
+
+def test_invalid_schedule_fails_in_the_constructor():
+    with pytest.raises(ValueError, match="virtual_pipeline_size=1 is invalid for schedule='interleaved'"):
+        _strategy(pipeline_parallel_size=2, schedule="interleaved")
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        _strategy(pipeline_parallel_size=2, num_microbatches=0)
