@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -18,6 +19,7 @@ class PipeRegressor(L.LightningModule):
         self.embed = nn.Linear(dim_in, hidden)
         self.blocks = nn.ModuleList(Block(hidden) for _ in range(blocks))
         self.head = nn.Linear(hidden, dim_out)
+        self.train_mse = torchmetrics.MeanSquaredError()
         self.hook_calls = {"on_after_backward": 0, "on_before_optimizer_step": 0}
         self.grad_norms = []
 
@@ -28,6 +30,9 @@ class PipeRegressor(L.LightningModule):
     def pipeline_loss(self, output, batch):
         loss = F.mse_loss(output, batch[1])
         self.log("mae", F.l1_loss(output, batch[1]), prog_bar=True, sync_dist=True)
+        if self.training:
+            self.train_mse(output, batch[1])
+            self.log("mse_metric", self.train_mse, on_step=True, on_epoch=False, sync_dist=True)
         return loss
 
     # -- unchanged single-device code --

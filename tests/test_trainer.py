@@ -66,6 +66,7 @@ def _compare(ref, per_rank, rtol=1e-6):
         assert metrics["train_loss_step"] == pytest.approx(ref_metrics["train_loss_step"], rel=1e-6)
         assert metrics["val_loss"] == pytest.approx(ref_metrics["val_loss"], rel=1e-6)
         assert metrics["mae"] == pytest.approx(ref_metrics["mae"], rel=1e-6)  # self.log in pipeline_loss
+        assert metrics["mse_metric"] == pytest.approx(ref_metrics["mse_metric"], rel=1e-6)  # torchmetrics
         assert "train_loss_step" in prog
         assert hooks == ref_hooks  # on_after_backward per batch, on_before_optimizer_step per step
     assert seen == set(ref_params)
