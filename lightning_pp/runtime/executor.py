@@ -32,6 +32,7 @@ from lightning_pp.runtime.grads import GradientSync
 from lightning_pp.runtime.microbatch import batch_size, split_microbatches
 from lightning_pp.runtime.p2p import PipelineCommError, PointToPoint
 from lightning_pp.runtime.partition import Partition, default_pipeline_inputs
+from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
 from lightning_pp.schedules import Action, ScheduleConfig, rank_actions
 from lightning_pp.schedules.messages import Message, send_order
@@ -112,6 +113,7 @@ class PipelineExecutor:
         inputs_fn: Optional[Callable] = None,
         board: Optional[FailureBoard] = None,
         broadcast_parameters: bool = True,
+        record_timeline: bool = True,
     ) -> None:
         self.module = module
         self.partition = partition
@@ -133,7 +135,9 @@ class PipelineExecutor:
             }
             for forward_only in (False, True)
         }
-        self.p2p = PointToPoint(topology.pp_group, topology.global_rank, device, timeout, topology.describe)
+        self.timeline = Timeline(enabled=record_timeline, device=device)
+        self.p2p = PointToPoint(topology.pp_group, topology.global_rank, device, timeout, topology.describe,
+                                timeline=self.timeline)
         self.grad_sync = GradientSync(partition, topology, self.actions)
         if broadcast_parameters:
             self.grad_sync.broadcast_parameters()
@@ -207,14 +211,17 @@ class PipelineExecutor:
         self._outputs = []
         self._train, self._compute_loss, self._collect = train, compute_loss, collect
         actions = self.actions if train else self.eval_actions
+        timeline = self.timeline
+        timeline.begin_step()
         for index, action in enumerate(actions):
             self._current = action
-            fwd = action.forward_part()
-            if fwd is not None:
-                self._forward(*fwd)
-            bwd = action.backward_part()
-            if bwd is not None:
-                self._backward(*bwd)
+            with timeline.span(action.kind, action.microbatch, action.chunk, device_side=True):
+                fwd = action.forward_part()
+                if fwd is not None:
+                    self._forward(*fwd)
+                bwd = action.backward_part()
+                if bwd is not None:
+                    self._backward(*bwd)
             if train:
                 self.grad_sync.after_action(index)
         self._current = None
@@ -232,6 +239,7 @@ class PipelineExecutor:
             loss = totals[0] / totals[1]
         if train:
             self.grad_sync.finish(scale=grad_scale / count)
+        timeline.end_step()
         outputs, self._outputs, self._saved, self._batches = self._outputs, [], {}, None
         return StepResult(loss=loss, num_samples=count, outputs=outputs)
 

@@ -95,12 +95,14 @@ class PointToPoint:
         device: torch.device,
         timeout: datetime.timedelta,
         describe,
+        timeline=None,
     ) -> None:
         self.group = group
         self.peer_rank = peer_rank
         self.device = device
         self.timeout = timeout
         self.describe = describe
+        self.timeline = timeline
         self.channels: dict[int, _Channel] = {}
         self.pending_sends: list[tuple[object, tuple[torch.Tensor, ...], Message, int]] = []
         self.bytes_sent = 0
@@ -153,7 +155,8 @@ class PointToPoint:
             channel.arrived[nxt] = self._recv_payload(src, channel, nxt)
         return channel.arrived.pop(message)
 
-    def _wait(self, work, what: str, peer: int) -> None:
+    def _wait(self, work, what: str, peer: int, message: Optional[Message] = None) -> None:
+        start = self.timeline.now() if self.timeline is not None and message is not None else None
         try:
             ok = work.wait(timeout=self.timeout)
         except Exception as exc:  # gloo raises on timeout and on a peer that went away
@@ -166,9 +169,11 @@ class PointToPoint:
                 f"{self.describe()}: {what} with pipeline rank {peer} timed out after "
                 f"{self.timeout.total_seconds():.0f}s."
             )
+        if start is not None:
+            self.timeline.add("recv_wait", message.microbatch, message.stage, start, self.timeline.now())
 
     def _recv_payload(self, src: int, channel: _Channel, message: Message):
-        self._wait(channel.header_work, f"receiving the header of {message.describe()}", src)
+        self._wait(channel.header_work, f"receiving the header of {message.describe()}", src, message)
         specs, as_tuple = decode_header(channel.header)
         channel.header_work = None
         peer = self.peer_rank(src)
@@ -177,7 +182,7 @@ class PointToPoint:
         # The next header is posted before waiting so it is already in flight.
         self._post_header(src, channel)
         for work in works:
-            self._wait(work, f"receiving {message.describe()}", src)
+            self._wait(work, f"receiving {message.describe()}", src, message)
         return tuple(t.requires_grad_(rg) if rg else t for t, (_, rg, _) in zip(tensors, specs)), as_tuple
 
     def _reap_sends(self) -> None:
