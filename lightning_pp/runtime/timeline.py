@@ -2,8 +2,9 @@
 
 A ``Timeline`` collects spans ``(kind, microbatch, chunk, start, end)`` in seconds since the start of
 the step: compute actions (``F``, ``B``, ``FB``), waits on stage-boundary receives (``recv_wait``),
-waits on expert all-to-all (``a2a_wait``) and whatever the caller adds (``optimizer``). On the CPU
-the times are ``time.perf_counter``; on CUDA compute spans are bracketed by CUDA events and resolved
+waits on expert all-to-all (``a2a_wait``) and whatever the caller adds (``optimizer``); for a
+``recv_wait`` the ``chunk`` field holds the virtual stage that consumes the message. On the CPU the
+times are ``time.perf_counter``; on CUDA compute spans are bracketed by CUDA events and resolved
 once per step, so recording adds no host synchronisation inside the step.
 """
 
