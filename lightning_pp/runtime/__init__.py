@@ -51,8 +51,20 @@ def build_pipeline(
         resolve_layout(layout, len(list(module.pipeline_layers())), config.num_stages)
         topology = build_topology(pipeline_parallel_size, expert_parallel_size, device.type)
     partition = cut_model(module, config.pp, config.vp, topology.pp_rank, layout)
+    setup_expert_parallel(partition, topology, device)
     module.to(device)
     return PipelineExecutor(module, partition, topology, config, device=device, timeout=timeout)
+
+
+def setup_expert_parallel(partition: Partition, topology: Topology, device: torch.device) -> None:
+    """Give every expert-parallel layer of this rank's chunks its group (``setup_expert_parallel``
+    on any submodule that has it), so it keeps only this rank's experts."""
+    for chunk in partition.chunks:
+        for layer in chunk.layers:
+            for sub in layer.modules():
+                setup = getattr(sub, "setup_expert_parallel", None)
+                if callable(setup):
+                    setup(topology.ep_group, topology.ep_rank, topology.ep, device)
 
 
 __all__ = [

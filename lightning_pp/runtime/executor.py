@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pp.runtime.context import microbatch_context
 from lightning_pp.runtime.failure import FailureBoard, PipelineError, add_note
 from lightning_pp.runtime.grads import GradientSync
+from lightning_pp.runtime.nodes import ChunkSchedulePlan, StreamSet
 from lightning_pp.runtime.microbatch import batch_size, split_microbatches
 from lightning_pp.runtime.p2p import PipelineCommError, PointToPoint
 from lightning_pp.runtime.partition import Partition, default_pipeline_inputs
@@ -136,12 +138,21 @@ class PipelineExecutor:
             for forward_only in (False, True)
         }
         self.timeline = Timeline(enabled=record_timeline, device=device)
+        # Combined 1F1B runs chunks node by node (see runtime/nodes.py) so FB actions can overlap.
+        self._use_plans = config.schedule == "combined_1f1b"
+        self.streams = StreamSet(device)
         self.p2p = PointToPoint(topology.pp_group, topology.global_rank, device, timeout, topology.describe,
                                 timeline=self.timeline)
         self.grad_sync = GradientSync(partition, topology, self.actions)
         if broadcast_parameters:
             self.grad_sync.broadcast_parameters()
         self._current: Optional[Action] = None
+        self.steps_done = 0
+        self._step_hooks = [
+            sub.pipeline_step_end
+            for chunk in partition.chunks for layer in chunk.layers for sub in layer.modules()
+            if callable(getattr(sub, "pipeline_step_end", None))
+        ]
 
     # -- public steps -------------------------------------------------------------------------
     def train_step(self, batch: Any, grad_scale: float = 1.0) -> StepResult:
@@ -152,6 +163,9 @@ class PipelineExecutor:
         for p in saved:
             p.grad = None
         result = self._guarded(lambda: self._step(batch, train=True, grad_scale=grad_scale))
+        self.steps_done += 1
+        for hook in self._step_hooks:  # layers that note steps (e.g. staging buffers: warm-up over)
+            hook(self.steps_done)
         for p, grad in saved.items():
             p.grad = grad if p.grad is None else p.grad.add_(grad)
         return result
@@ -216,11 +230,12 @@ class PipelineExecutor:
         for index, action in enumerate(actions):
             self._current = action
             with timeline.span(action.kind, action.microbatch, action.chunk, device_side=True):
-                fwd = action.forward_part()
-                if fwd is not None:
+                fwd, bwd = action.forward_part(), action.backward_part()
+                if fwd is not None and bwd is not None:
+                    self._forward_backward(fwd, bwd)
+                elif fwd is not None:
                     self._forward(*fwd)
-                bwd = action.backward_part()
-                if bwd is not None:
+                else:
                     self._backward(*bwd)
             if train:
                 self.grad_sync.after_action(index)
@@ -260,55 +275,134 @@ class PipelineExecutor:
             return self._local.pop(message)
         return self.p2p.recv(src, message)
 
+    # -- forward / backward of one (microbatch, chunk) -------------------------------------------
+    def _stage_input(self, microbatch: int, chunk_id: int) -> tuple[tuple, Any]:
+        """(received tensors, the chunk's input) for a forward."""
+        stage = self.partition.chunks[chunk_id].stage
+        if stage == 0:
+            return (), self.inputs_fn(self._batches[microbatch])
+        received, as_tuple = self._receive(stage - 1, Message("F", microbatch, stage))
+        return received, (received if as_tuple else received[0])
+
+    def _context(self, microbatch: int, chunk_id: int):
+        samples = batch_size(self._batches[microbatch]) or 1
+        return microbatch_context(float(samples), microbatch, chunk_id, self.timeline)
+
+    def _new_plan(self, microbatch: int, chunk_id: int) -> ChunkSchedulePlan:
+        return ChunkSchedulePlan(self.partition.chunks[chunk_id].layers, self.streams, self.timeline, microbatch, chunk_id)
+
     def _forward(self, microbatch: int, chunk_id: int) -> None:
+        received, inputs = self._stage_input(microbatch, chunk_id)
+        plan = None
+        with self._context(microbatch, chunk_id), torch.set_grad_enabled(self._train):
+            if self._use_plans and self._train:
+                plan = self._new_plan(microbatch, chunk_id)
+                output = _untuple(plan.forward(inputs if isinstance(inputs, tuple) else (inputs,)))
+            else:
+                output = self.partition.chunks[chunk_id](inputs)
+        self._finish_forward(microbatch, chunk_id, received, output, plan)
+
+    def _finish_forward(self, microbatch: int, chunk_id: int, received: tuple, output: Any, plan) -> None:
         chunk = self.partition.chunks[chunk_id]
         stage = chunk.stage
         mb_batch = self._batches[microbatch]
-        if stage == 0:
-            inputs, received = self.inputs_fn(mb_batch), ()
-        else:
-            received, as_tuple = self._receive(stage - 1, Message("F", microbatch, stage))
-            inputs = received if as_tuple else received[0]
-        with torch.set_grad_enabled(self._train):
-            output = chunk(inputs)
-            if stage == self.num_stages - 1:
-                if self._collect:
-                    self._outputs.append(output.detach() if isinstance(output, torch.Tensor) else output)
-                if not (self._train or self._compute_loss):
-                    return
+        if stage == self.num_stages - 1:
+            if self._collect:
+                self._outputs.append(output.detach() if isinstance(output, torch.Tensor) else output)
+            if not (self._train or self._compute_loss):
+                return
+            detached = None
+            if plan is not None:  # the loss is its own autograd segment; its grad feeds the plan
+                detached = _detach_tree(output)
+                output = detached
+            with torch.set_grad_enabled(self._train):
                 samples = batch_size(mb_batch) or 1
                 loss_sum, count = normalise_loss(self.loss_fn(output, mb_batch), samples)
-                self._loss_sum += loss_sum.detach().to(torch.float64)
-                self._count += count.to(self._count.device)
-                if self._train:
-                    self._saved[(microbatch, chunk_id)] = (received, (loss_sum,), True)
-                return
+            self._loss_sum += loss_sum.detach().to(torch.float64)
+            self._count += count.to(self._count.device)
+            if self._train:
+                self._saved[(microbatch, chunk_id)] = (received, (loss_sum,), True, plan, detached)
+            return
         tensors, as_tuple = _as_tensors(
             output, f"virtual stage {stage} (layers {chunk.first_layer}..{chunk.first_layer + len(chunk.layers) - 1})"
         )
         self._deliver(stage + 1, Message("F", microbatch, stage + 1), tensors, as_tuple)
         if self._train:
-            if (stage + 1) % self.config.pp != self.pp_rank:
+            if plan is None and (stage + 1) % self.config.pp != self.pp_rank:
                 _release(tensors)
-            self._saved[(microbatch, chunk_id)] = (received, tensors, False)
+            self._saved[(microbatch, chunk_id)] = (received, tensors, False, plan, None)
 
-    def _backward(self, microbatch: int, chunk_id: int) -> None:
+    def _output_grads(self, microbatch: int, chunk_id: int):
+        """Pop the stash of a forward and get the gradients of its outputs: from the loss on the
+        last stage, else from the next stage. Returns (received, plan, roots, grads)."""
         stage = self.partition.chunks[chunk_id].stage
-        received, outputs, is_loss = self._saved.pop((microbatch, chunk_id))
+        received, outputs, is_loss, plan, detached = self._saved.pop((microbatch, chunk_id))
         if is_loss:
             roots, grads = list(outputs), [torch.ones_like(outputs[0])]
-        else:
-            out_grads, _ = self._receive(stage + 1, Message("B", microbatch, stage))
-            roots = [t for t in outputs if t.requires_grad]
-            grads = list(out_grads)
-            if len(roots) != len(grads):
-                raise PipelineCommError(
-                    f"{self.topology.describe()}: stage {stage} produced {len(roots)} outputs that need a "
-                    f"gradient, but {len(grads)} gradients came back for microbatch {microbatch}."
+            if plan is not None:
+                _backward(roots, grads)
+                leaves = detached if isinstance(detached, tuple) else (detached,)
+                return received, plan, None, tuple(
+                    (t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None for t in leaves
                 )
+            return received, None, roots, grads
+        out_grads, _ = self._receive(stage + 1, Message("B", microbatch, stage))
+        roots = [t for t in outputs if t.requires_grad]
+        if len(roots) != len(out_grads):
+            raise PipelineCommError(
+                f"{self.topology.describe()}: stage {stage} produced {len(roots)} outputs that need a "
+                f"gradient, but {len(out_grads)} gradients came back for microbatch {microbatch}."
+            )
+        if plan is not None:
+            it = iter(out_grads)
+            return received, plan, None, tuple(next(it) if t.requires_grad else None for t in outputs)
+        return received, None, roots, list(out_grads)
+
+    def _backward(self, microbatch: int, chunk_id: int) -> None:
+        received, plan, roots, grads = self._output_grads(microbatch, chunk_id)
+        if plan is not None:
+            in_grads = plan.backward(grads)
+            self._finish_backward(microbatch, chunk_id, received, in_grads)
+            return
         if roots:
             _backward(roots, grads)
+        self._finish_backward(microbatch, chunk_id, received, tuple(t.grad for t in received))
+
+    def _finish_backward(self, microbatch: int, chunk_id: int, received: tuple, in_grads: tuple) -> None:
+        stage = self.partition.chunks[chunk_id].stage
         if stage > 0:
-            needs = [t for t in received if t.requires_grad]
-            in_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in needs)
-            self._deliver(stage - 1, Message("B", microbatch, stage - 1), in_grads, True)
+            grads = tuple(
+                g if g is not None else torch.zeros_like(t)
+                for t, g in zip(received, in_grads)
+                if t.requires_grad
+            )
+            self._deliver(stage - 1, Message("B", microbatch, stage - 1), grads, True)
+
+    def _forward_backward(self, f: tuple[int, int], b: tuple[int, int]) -> None:
+        """Combined step: the forward of ``f`` and the backward of ``b``, their layers interleaved so
+        that one's expert all-to-all runs while the other computes."""
+        if not self._use_plans:
+            self._forward(*f)
+            self._backward(*b)
+            return
+        f_received, f_inputs = self._stage_input(*f)
+        b_received, b_plan, _, b_grads = self._output_grads(*b)
+        f_plan = self._new_plan(*f)
+        with self._context(*f):
+            outputs, in_grads = ChunkSchedulePlan.run(
+                f_plan, b_plan, f_inputs if isinstance(f_inputs, tuple) else (f_inputs,), b_grads
+            )
+        self._finish_forward(f[0], f[1], f_received, _untuple(outputs), f_plan)
+        self._finish_backward(b[0], b[1], b_received, in_grads)
+
+
+def _untuple(outputs: tuple) -> Any:
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _detach_tree(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    if isinstance(value, tuple):
+        return tuple(_detach_tree(v) for v in value)
+    return value

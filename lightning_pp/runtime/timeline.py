@@ -6,6 +6,13 @@ waits on expert all-to-all (``a2a_wait``) and whatever the caller adds (``optimi
 ``recv_wait`` the ``chunk`` field holds the virtual stage that consumes the message. On the CPU the
 times are ``time.perf_counter``; on CUDA compute spans are bracketed by CUDA events and resolved
 once per step, so recording adds no host synchronisation inside the step.
+
+Spans that start and end in different places of the caller's code (the optimizer step, timed by the
+monitor callback from one Lightning hook to another) are recorded with :meth:`Timeline.mark` and
+:meth:`Timeline.add_between`; they may be added after ``end_step`` and are resolved by
+:meth:`Timeline.resolve`. Each step also notes its origin on the host's monotonic clock and on the
+wall clock (:attr:`Timeline.origin`, :attr:`Timeline.origin_unix`), which is how ranks' timelines
+are put on one time axis without a barrier (see ``lightning_pp.callbacks.analysis``).
 """
 
 from __future__ import annotations
@@ -41,11 +48,13 @@ class Timeline:
         self._origin = time.perf_counter()
         self._origin_event = None
         self.step_seconds = 0.0
+        self.origin_unix = time.time()
 
     def begin_step(self) -> None:
         self.spans = []
         self._pending = []
         self._origin = time.perf_counter()
+        self.origin_unix = time.time()
         if self.cuda and self.enabled:
             self._origin_event = torch.cuda.Event(enable_timing=True)
             self._origin_event.record()
@@ -90,3 +99,45 @@ class Timeline:
 
     def total(self, kind: str) -> float:
         return sum(s.end - s.start for s in self.spans if s.kind == kind)
+
+    # -- additions for spans recorded outside the executor (e.g. the optimizer step) -----------
+    @property
+    def origin(self) -> float:
+        """``time.perf_counter()`` when the step began: the zero of every span of the step. On one
+        host this clock (``CLOCK_MONOTONIC`` on Linux) is shared by every process, so two ranks'
+        origins give the offset between their timelines exactly, with no synchronisation."""
+        return self._origin
+
+    def mark(self) -> object:
+        """The current time, as one end of a span for :meth:`add_between`: seconds since the step
+        began on the CPU, a recorded CUDA event (no host synchronisation) on CUDA, ``None`` when
+        recording is off."""
+        if not self.enabled:
+            return None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return self.now()
+
+    def add_between(self, kind: str, microbatch: int, chunk: int, start: object, end: object) -> None:
+        """Add a span between two :meth:`mark` values of the current step. CUDA spans wait in the
+        pending list until ``end_step`` or :meth:`resolve`; either mark being ``None`` adds nothing."""
+        if not self.enabled or start is None or end is None:
+            return
+        if isinstance(start, float) and isinstance(end, float):
+            self.spans.append(Span(kind, microbatch, chunk, start, end))
+        else:
+            self._pending.append((kind, microbatch, chunk, start, end))
+
+    def resolve(self) -> list[Span]:
+        """Turn pending CUDA spans (those added after ``end_step``) into times (one synchronisation,
+        only if any are pending) and return the step's spans."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            if self._origin_event is not None:
+                torch.cuda.current_stream().synchronize()
+                for kind, mb, chunk, start, end in pending:
+                    self.spans.append(Span(kind, mb, chunk, self._origin_event.elapsed_time(start) / 1e3,
+                                           self._origin_event.elapsed_time(end) / 1e3))
+        return self.spans

@@ -1,0 +1,124 @@
+"""Persistent staging buffers for expert dispatch (zero-copy staging).
+
+The dispatch all-to-all writes the tokens a rank receives straight into a persistent buffer, and
+the backward of dispatch stages its incoming gradient into a persistent backward buffer before the
+reverse all-to-all (:func:`stage_dispatch_bwd_grad`). The combine's input (the expert output) is
+not staged on the CPU path: it is the experts' own autograd output. Buffers are allocated once per in-flight microbatch slot (a slot is
+taken at a microbatch's dispatch forward and returned after its dispatch backward, because the
+experts keep the received tokens for their backward), sized from the capacity or grown to a
+high-water mark, and never freed or resized while training. Backends:
+
+* CPU / gloo: plain persistent tensors;
+* CUDA: ``torch.distributed._symmetric_memory`` when available (``symm_mem.empty`` +
+  ``rendezvous`` on the expert group), else plain device tensors.
+
+Counters: ``allocations`` (buffers created or grown), ``staged_bytes`` (gradient bytes copied by
+the dispatch-backward staging) and ``allocations_after_warmup``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+def symmetric_memory_available(device: torch.device) -> bool:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@dataclass
+class BufferStats:
+    allocations: int = 0
+    allocations_after_warmup: int = 0
+    staged_bytes: int = 0
+    peak_slots: int = 0
+    warm: bool = False
+
+
+class StagingPool:
+    """Slots of (forward receive buffer, backward staging buffer) for one MoE layer."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device, group=None,
+                 capacity_rows: Optional[int] = None, headroom: float = 1.25) -> None:
+        self.hidden, self.dtype, self.device, self.group = hidden, dtype, device, group
+        self.capacity_rows = capacity_rows
+        self.headroom = headroom
+        self.symmetric = symmetric_memory_available(device)
+        self.slots: list[dict[str, torch.Tensor]] = []
+        self.free: list[int] = []
+        self.stats = BufferStats()
+
+    def _allocate(self, rows: int) -> torch.Tensor:
+        self.stats.allocations += 1
+        if self.stats.warm:
+            self.stats.allocations_after_warmup += 1
+        shape = (rows, self.hidden)
+        if self.symmetric:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buf = symm_mem.empty(shape, dtype=self.dtype, device=self.device)
+            if self.group is not None:
+                symm_mem.rendezvous(buf, self.group)
+            return buf
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _rows_for(self, needed: int) -> int:
+        if self.capacity_rows is not None:
+            if needed > self.capacity_rows:
+                raise RuntimeError(
+                    f"the expert dispatch needs {needed} rows but the capacity buffer holds "
+                    f"{self.capacity_rows}: raise capacity_factor or use dropless routing."
+                )
+            return self.capacity_rows
+        return max(needed, int(needed * self.headroom) + 1)
+
+    def acquire(self, rows: int) -> int:
+        """A free slot whose buffers hold at least ``rows`` rows (grown if needed)."""
+        if self.free:
+            slot = self.free.pop()
+        else:
+            slot = len(self.slots)
+            self.slots.append({})
+            self.stats.peak_slots = max(self.stats.peak_slots, len(self.slots))
+        bufs = self.slots[slot]
+        for kind in ("fwd", "bwd"):
+            if kind not in bufs or bufs[kind].shape[0] < rows:
+                bufs[kind] = self._allocate(self._rows_for(rows))
+        return slot
+
+    def forward_buffer(self, slot: int, rows: int) -> torch.Tensor:
+        return self.slots[slot]["fwd"][:rows]
+
+    def backward_buffer(self, slot: int, rows: int) -> torch.Tensor:
+        return self.slots[slot]["bwd"][:rows]
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def mark_warm(self) -> None:
+        """Called after the first step: later allocations count as steady-state growth."""
+        self.stats.warm = True
+
+    def reset(self) -> None:
+        """Drop every buffer (collectively, at teardown: symmetric buffers are shared)."""
+        self.slots, self.free = [], []
+
+
+def stage_dispatch_bwd_grad(pool: StagingPool, slot: int, grad: torch.Tensor) -> torch.Tensor:
+    """StageDispatchBwdGrad: copy the gradient arriving at a dispatch's output into the slot's
+    persistent backward buffer, so the reverse all-to-all reads from it (a symmetric buffer on
+    CUDA, which one-sided transports need: autograd's own gradient is an ordinary allocation).
+    Counted in ``stats.staged_bytes``."""
+    buf = pool.backward_buffer(slot, grad.shape[0])
+    buf.copy_(grad)
+    pool.stats.staged_bytes += grad.numel() * grad.element_size()
+    return buf
+

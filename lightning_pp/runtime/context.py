@@ -1,0 +1,39 @@
+"""What layers may ask the executor about the microbatch being run.
+
+Set by the executor around each forward; read by layers that need it (MoE auxiliary losses scale
+their gradient by the microbatch's sample count, because the pipeline normalises every loss by the
+global count after the step; all-to-all waits are recorded on the step's timeline). Outside a
+pipelined step the defaults describe plain single-process training.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+
+@dataclass
+class MicrobatchContext:
+    loss_weight: float = 1.0  # multiplier for auxiliary losses added through autograd
+    microbatch: int = -1
+    chunk: int = -1
+    timeline: Optional[object] = None
+
+
+_current = MicrobatchContext()
+
+
+def current() -> MicrobatchContext:
+    return _current
+
+
+@contextmanager
+def microbatch_context(loss_weight: float, microbatch: int, chunk: int, timeline=None) -> Iterator[None]:
+    global _current
+    previous = _current
+    _current = MicrobatchContext(loss_weight, microbatch, chunk, timeline)
+    try:
+        yield
+    finally:
+        _current = previous

@@ -1,0 +1,294 @@
+"""Fine-grained scheduling nodes for combined 1F1B (forward of one microbatch overlapped with the
+backward of another).
+
+A layer is cut into five slots, each a :class:`ScheduleNode` of its microbatch's plan::
+
+    attn (compute) -> dispatch (comm) -> mlp (compute) -> combine (comm) -> post (compute)
+
+A dense layer puts all its compute in ``attn`` and passes through the other slots. Every node
+detaches its inputs, so it is its own autograd segment whose backward runs from the output grads;
+communication nodes (expert all-to-all) have an explicit backward (the reverse all-to-all).
+
+Ordering within one microbatch: every node first waits for the microbatch's :class:`PlanEvent` and
+then records into it, so one microbatch's nodes run strictly in issue order across streams. On CUDA
+the event is a ``torch.cuda.Event`` and comm nodes run on a dedicated (optionally high-priority)
+stream; on the CPU the event holds the async work handles of the microbatch's outstanding
+collectives, and waiting on it waits for them. Nodes of the other microbatch hold a different
+event, so its compute runs while this microbatch's all-to-all is in flight. One code path, two
+backends.
+
+:meth:`ChunkSchedulePlan.run` interleaves the layers of two microbatches in Megatron's order, so
+that the dispatch and combine of one hide behind the compute of the other::
+
+    comm:    combine_bwd(b) | dispatch_fwd(f), dispatch_bwd(b) | combine_fwd(f)
+    compute: attn_fwd(f)    | mlp_bwd(b), mlp_fwd(f)           | attn_bwd(b)
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+Tensors = tuple  # tuple of tensors
+
+
+# -- streams and events ------------------------------------------------------------------------
+class StreamSet:
+    """Compute is the current stream; communication a dedicated stream on CUDA, none on CPU."""
+
+    def __init__(self, device: torch.device, high_priority: bool = True) -> None:
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+        self.comm = None
+        if self.cuda:
+            priority = torch.cuda.Stream.priority_range()[1] if high_priority else 0
+            self.comm = torch.cuda.Stream(device=device, priority=priority)
+
+    def context(self, comm: bool):
+        if self.cuda and comm:
+            return torch.cuda.stream(self.comm)
+        return nullcontext()
+
+
+class PlanEvent:
+    """The baton that orders one microbatch's nodes (see the module docstring)."""
+
+    def __init__(self, streams: StreamSet, timeline=None, microbatch: int = -1, chunk: int = -1) -> None:
+        self.streams = streams
+        self.cuda_event = torch.cuda.Event() if streams.cuda else None
+        self.pending: list = []  # CPU: async work handles not yet waited on
+        self.timeline = timeline
+        self.microbatch, self.chunk = microbatch, chunk
+
+    def add(self, work: Any) -> None:
+        """Register an outstanding async collective of this microbatch."""
+        if work is not None:
+            self.pending.append(work)
+
+    def wait(self, stream=None) -> None:
+        if self.cuda_event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self.cuda_event)
+        if self.pending:
+            start = self.timeline.now() if self.timeline is not None else None
+            pending, self.pending = self.pending, []
+            for work in pending:
+                work.wait()
+            if start is not None:
+                self.timeline.add("a2a_wait", self.microbatch, self.chunk, start, self.timeline.now())
+
+    def record(self, stream=None) -> None:
+        if self.cuda_event is not None:
+            self.cuda_event.record(stream or torch.cuda.current_stream())
+
+
+# -- nodes -------------------------------------------------------------------------------------
+def _detach(inputs: Tensors) -> Tensors:
+    return tuple(
+        t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs
+    )
+
+
+class ScheduleNode:
+    """One unit of a microbatch plan.
+
+    Compute nodes: ``forward_fn(state, *inputs) -> outputs`` is differentiated by autograd.
+    Comm nodes: ``forward_fn`` and ``backward_fn(state, *output_grads) -> input_grads`` are
+    explicit (they launch collectives and register them with ``state.event``).
+    """
+
+    def __init__(self, forward_fn: Callable, name: str, comm: bool = False, backward_fn: Optional[Callable] = None) -> None:
+        self.forward_fn = forward_fn
+        self.backward_fn = backward_fn
+        self.name = name
+        self.comm = comm
+        self.inputs: Tensors = ()
+        self.outputs: Tensors = ()
+
+    def forward(self, plan: "LayerPlan", inputs: Tensors) -> Tensors:
+        event, streams = plan.event, plan.event.streams
+        with streams.context(self.comm):
+            event.wait()
+            if self.comm:
+                self.inputs = inputs
+                outputs = self.forward_fn(plan.state, *inputs)
+                # Collective outputs are new tensors outside autograd: they need a gradient exactly
+                # where the matching input did, so the next node's backward produces one.
+                outputs = tuple(
+                    o.detach().requires_grad_(i.requires_grad)
+                    if isinstance(o, torch.Tensor) and isinstance(i, torch.Tensor) and o.is_floating_point() else o
+                    for o, i in zip(outputs, inputs)
+                )
+            else:
+                self.inputs = _detach(inputs)
+                outputs = self.forward_fn(plan.state, *self.inputs)
+            event.record()
+        self.outputs = outputs
+        return outputs
+
+    def backward(self, plan: "LayerPlan", grads: Tensors) -> Tensors:
+        event, streams = plan.event, plan.event.streams
+        with streams.context(self.comm):
+            event.wait()
+            if self.comm:
+                in_grads = self.backward_fn(plan.state, *grads)
+            else:
+                roots, root_grads = [], []
+                for out, grad in zip(self.outputs, grads):
+                    if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None:
+                        roots.append(out)
+                        root_grads.append(grad)
+                if roots:
+                    torch.autograd.backward(roots, root_grads)
+                in_grads = tuple(
+                    (t.grad if t.grad is not None else torch.zeros_like(t))
+                    if isinstance(t, torch.Tensor) and t.requires_grad else None
+                    for t in self.inputs
+                )
+            event.record()
+        self.inputs, self.outputs = (), ()
+        return in_grads
+
+
+class NoopScheduleNode(ScheduleNode):
+    """Pass-through slot (a dense layer has no dispatch, experts or combine)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(lambda state, *xs: xs, name)
+
+    def forward(self, plan: "LayerPlan", inputs: Tensors) -> Tensors:
+        return inputs
+
+    def backward(self, plan: "LayerPlan", grads: Tensors) -> Tensors:
+        return grads
+
+
+class LayerNodes(NamedTuple):
+    """What a layer provides for fine-grained scheduling (``layer.schedule_nodes()``)."""
+
+    attn: ScheduleNode
+    dispatch: ScheduleNode
+    mlp: ScheduleNode
+    combine: ScheduleNode
+    post: ScheduleNode
+
+
+def dense_nodes(layer: torch.nn.Module) -> LayerNodes:
+    """A layer without its own nodes: all compute in ``attn``; a tuple input is unpacked."""
+
+    def run(state, *xs):
+        out = layer(*xs)
+        return out if isinstance(out, tuple) else (out,)
+
+    return LayerNodes(ScheduleNode(run, "layer"), NoopScheduleNode("dispatch"), NoopScheduleNode("mlp"),
+                      NoopScheduleNode("combine"), NoopScheduleNode("post"))
+
+
+class LayerPlan:
+    """One layer's nodes for one microbatch, with the microbatch's event and scratch state."""
+
+    def __init__(self, layer: torch.nn.Module, event: PlanEvent) -> None:
+        build = getattr(layer, "schedule_nodes", None)
+        self.nodes: LayerNodes = build() if callable(build) else dense_nodes(layer)
+        self.event = event
+        self.state: dict = {"event": event}
+
+    def forward_slots(self, slots: Sequence[str], x: Tensors) -> Tensors:
+        for slot in slots:
+            x = getattr(self.nodes, slot).forward(self, x)
+        return x
+
+    def backward_slots(self, slots: Sequence[str], g: Tensors) -> Tensors:
+        for slot in slots:
+            g = getattr(self.nodes, slot).backward(self, g)
+        return g
+
+
+FORWARD_SLOTS = ("attn", "dispatch", "mlp", "combine", "post")
+BACKWARD_SLOTS = tuple(reversed(FORWARD_SLOTS))
+
+
+class AbstractSchedulePlan:
+    """A microbatch's work on one chunk that can be run alone or fused with another's."""
+
+    @staticmethod
+    def run(f_plan, b_plan, f_input=None, b_grad=None):  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class ChunkSchedulePlan(AbstractSchedulePlan):
+    """One microbatch through one pipeline chunk, layer by layer, node by node."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], streams: StreamSet, timeline=None,
+                 microbatch: int = -1, chunk: int = -1) -> None:
+        self.event = PlanEvent(streams, timeline, microbatch, chunk)
+        self.layers = [LayerPlan(layer, self.event) for layer in layers]
+        self.output: Tensors = ()
+
+    def forward(self, x: Tensors) -> Tensors:
+        return ChunkSchedulePlan.run(self, None, x, None)[0]
+
+    def backward(self, grads: Tensors) -> Tensors:
+        return ChunkSchedulePlan.run(None, self, None, grads)[1]
+
+    @staticmethod
+    def run(f_plan: Optional["ChunkSchedulePlan"], b_plan: Optional["ChunkSchedulePlan"],
+            f_input: Optional[Tensors] = None, b_grad: Optional[Tensors] = None):
+        """Forward ``f_plan`` from ``f_input`` and backward ``b_plan`` from ``b_grad``, layer pairs
+        interleaved (forward layers in order, backward layers in reverse). Returns
+        ``(forward outputs, input grads)``; either side may be None."""
+        f_layers = f_plan.layers if f_plan is not None else []
+        b_layers = list(reversed(b_plan.layers)) if b_plan is not None else []
+        x, g = f_input, b_grad
+        for i in range(max(len(f_layers), len(b_layers))):
+            f = f_layers[i] if i < len(f_layers) else None
+            b = b_layers[i] if i < len(b_layers) else None
+            if f is None:
+                g = b.backward_slots(BACKWARD_SLOTS, g)
+            elif b is None:
+                x = f.forward_slots(FORWARD_SLOTS, x)
+            else:
+                x, g = _overlapped_layer(f, b, x, g)
+        if f_plan is not None:
+            f_plan.event.wait()
+            f_plan.output = x
+        if b_plan is not None:
+            b_plan.event.wait()
+        return x, g
+
+
+def _overlapped_layer(f: LayerPlan, b: LayerPlan, x: Tensors, g: Tensors) -> tuple[Tensors, Tensors]:
+    """Megatron's issue order for one forward layer and one backward layer."""
+    fn, bn = f.nodes, b.nodes
+    g = bn.post.backward(b, g)
+    g = bn.combine.backward(b, g)       # comm(b) launched ...
+    x = fn.attn.forward(f, x)           # ... while f's attention and routing compute
+    g = bn.mlp.backward(b, g)           # waits for b's combine backward
+    x = fn.dispatch.forward(f, x)       # comm(f) launched ...
+    g = bn.dispatch.backward(b, g)      # comm(b) launched ...
+    x = fn.mlp.forward(f, x)            # ... f's experts wait only for f's dispatch
+    x = fn.combine.forward(f, x)        # comm(f) launched ...
+    g = bn.attn.backward(b, g)          # ... while b's attention backward computes
+    x = fn.post.forward(f, x)
+    return x, g
+
+
+class EmulatedLink:
+    """Wraps an async work handle so it completes no earlier than ``delay`` seconds after launch,
+    without burning CPU (the wait sleeps). Models a slower expert interconnect in benchmarks."""
+
+    def __init__(self, work: Any, delay: float) -> None:
+        self.work = work
+        self.ready_at = time.perf_counter() + delay
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        if self.work is not None:
+            self.work.wait(*args, **kwargs)
+        remaining = self.ready_at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return True
+
+    def is_completed(self) -> bool:
+        return (self.work is None or self.work.is_completed()) and time.perf_counter() >= self.ready_at

@@ -1,0 +1,114 @@
+"""MoE with expert parallelism: combined 1F1B equals plain 1F1B (1e-12) and a single-process
+reference with unsharded experts (1e-6); staging buffers stop allocating after the first step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import DistributedFailure, run_distributed
+from models import make_optimizer, reference_run
+from moe_models import TinyMoELM, token_batches
+
+STEPS = 3
+
+
+def _model(aux=0.0, z=0.0, capacity=None):
+    torch.manual_seed(11)
+    return TinyMoELM(aux=aux, z=z, capacity_factor=capacity).double()
+
+
+def _shard(batch, dp, dp_rank):
+    return tuple(torch.tensor_split(t, dp)[dp_rank] for t in batch)
+
+
+def _run(rank, world, cases):
+    from lightning_pp.runtime import build_pipeline
+
+    out = []
+    for case in cases:
+        model = _model(case.get("aux", 0.0), case.get("z", 0.0), case.get("capacity"))
+        executor = build_pipeline(model, pipeline_parallel_size=case["pp"], virtual_pipeline_size=case["vp"],
+                                  num_microbatches=case["m"], schedule=case["schedule"], expert_parallel_size=case["ep"])
+        names, topo = executor.partition.parameter_names, executor.topology
+        opt = make_optimizer("sgd", model.parameters(), 0.1)
+        losses, grads = [], None
+        for batch in token_batches(5, case["batch"], 6, STEPS):
+            result = executor.train_step(_shard(batch, topo.dp, topo.dp_rank))
+            if grads is None:
+                grads = {names[id(p)]: p.grad.clone() for p in model.parameters()}
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(result.loss))
+        params = {names[id(p)]: p.detach().clone() for p in model.parameters()}
+        pools = [b.pool.stats for b in model.blocks if hasattr(b, "pool") and b.pool is not None]
+        stats = dict(after_warmup=sum(s.allocations_after_warmup for s in pools),
+                     allocations=sum(s.allocations for s in pools), staged=sum(s.staged_bytes for s in pools),
+                     a2a_waits=sum(1 for sp in executor.timeline.spans if sp.kind == "a2a_wait"))
+        out.append((losses, grads, params, stats))
+    return out
+
+
+def _pairs(pp, ep, vp, batch):
+    base = "1f1b" if vp == 1 else "interleaved"
+    m = 2 * pp if pp > 1 else 4
+    common = dict(pp=pp, ep=ep, vp=vp, m=m, batch=batch)
+    return [dict(common, schedule=base), dict(common, schedule="combined_1f1b"),
+            dict(common, schedule=base, aux=0.01, z=0.001), dict(common, schedule="combined_1f1b", aux=0.01, z=0.001)]
+
+
+def _check(cases, per_rank):
+    for i in range(0, len(cases), 4):
+        plain, combined, plain_aux, combined_aux = (i, i + 1, i + 2, i + 3)
+        ref_losses, ref_grads, ref_params = reference_run(_model(), token_batches(5, cases[i]["batch"], 6, STEPS))
+        seen = set()
+        for rank, results in enumerate(per_rank):
+            for a, b in ((plain, combined), (plain_aux, combined_aux)):
+                la, ga, pa, _ = results[a]
+                lb, gb, pb, sb = results[b]
+                assert lb == pytest.approx(la, rel=1e-12, abs=1e-12), f"{cases[b]} rank {rank}"
+                for name in ga:
+                    torch.testing.assert_close(gb[name], ga[name], rtol=1e-12, atol=1e-12, msg=f"{name} {cases[b]}")
+                assert sb["a2a_waits"] > 0 or cases[b]["ep"] == 1
+            losses, grads, params, _ = results[plain]
+            assert losses == pytest.approx(ref_losses, rel=1e-6)
+            for name, value in grads.items():
+                torch.testing.assert_close(value, ref_grads[name], rtol=1e-6, atol=1e-10, msg=f"{name} rank {rank}")
+            for name, value in params.items():
+                torch.testing.assert_close(value, ref_params[name], rtol=1e-6, atol=1e-10, msg=f"{name} rank {rank}")
+                seen.add(name)
+        assert seen == set(ref_params)
+
+
+@pytest.mark.timeout(240)
+def test_expert_parallel_pp1_ep2_combined_equals_1f1b_and_reference():
+    cases = _pairs(pp=1, ep=2, vp=1, batch=8) + _pairs(pp=1, ep=2, vp=2, batch=8)
+    _check(cases, run_distributed(_run, 2, cases, timeout=200))
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallel_pp2_ep2_combined_equals_1f1b_and_reference():
+    cases = _pairs(pp=2, ep=2, vp=1, batch=8) + _pairs(pp=2, ep=2, vp=2, batch=8)
+    _check(cases, run_distributed(_run, 4, cases, timeout=260))
+
+
+@pytest.mark.timeout(240)
+def test_staging_buffers_do_not_grow_after_the_first_step():
+    case = dict(pp=1, ep=2, vp=1, m=4, batch=8, schedule="combined_1f1b", capacity=2.0)
+    for (_, _, _, stats), in run_distributed(_run, 2, [case], timeout=200):
+        assert stats["allocations"] > 0 and stats["staged"] > 0
+        assert stats["after_warmup"] == 0
+
+
+def _bad_experts(rank, world):
+    from lightning_pp.runtime import build_pipeline
+
+    torch.manual_seed(0)
+    model = TinyMoELM(experts=3)
+    build_pipeline(model, pipeline_parallel_size=1, expert_parallel_size=2)
+
+
+def test_experts_not_divisible_by_expert_parallel_size():
+    with pytest.raises(DistributedFailure) as info:
+        run_distributed(_bad_experts, 2, timeout=60)
+    assert all("num_experts=3 is not divisible by expert_parallel_size=2" in e for e in info.value.errors.values())
