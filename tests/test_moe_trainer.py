@@ -1,0 +1,76 @@
+"""Trainer.fit of an MoE model with pipeline x expert parallelism and combined 1F1B equals the
+same fit on one device (experts unsharded)."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from distributed import run_distributed
+from moe_models import TinyMoELM
+
+TRAINER = dict(accelerator="cpu", max_steps=3, precision="64-true", logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+               use_distributed_sampler=False, gradient_clip_val=0.5)
+
+
+class MoEModule(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(21)
+        self.net = TinyMoELM(blocks=6, aux=0.0)
+
+    def pipeline_layers(self):
+        return self.net.pipeline_layers()
+
+    def pipeline_loss(self, output, batch):
+        return self.net.pipeline_loss(output, batch)
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self.net(batch[0]), batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _data(batch, dp=1, dp_rank=0, n=48, seq=6):
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randint(0, 13, (n, seq), generator=g), torch.randint(0, 13, (n, seq), generator=g)
+    if dp > 1:
+        rows = [i for s in range(0, n, batch * dp) for i in range(s + dp_rank * batch, s + (dp_rank + 1) * batch)]
+        x, y = x[rows], y[rows]
+    return DataLoader(TensorDataset(x, y), batch_size=batch)
+
+
+def _fit(rank, world):
+    from lightning_pp import PipelineStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    model = MoEModule()
+    strategy = PipelineStrategy(pipeline_parallel_size=2, expert_parallel_size=2, virtual_pipeline_size=2,
+                                schedule="combined_1f1b", num_microbatches=4)
+    trainer = L.Trainer(devices=world, strategy=strategy, **TRAINER)
+    dp = world // 2
+    trainer.fit(model, _data(8, dp, (rank % dp)))
+    names = model._lpp_executor.partition.parameter_names
+    return {names[id(p)]: p.detach().clone() for p in model.parameters()}, float(trainer.callback_metrics["train_loss_step"])
+
+
+@pytest.mark.timeout(300)
+def test_moe_fit_pp2_ep2_combined_equals_single_device():
+    ref = MoEModule()
+    trainer = L.Trainer(devices=1, **TRAINER)
+    trainer.fit(ref, _data(16))
+    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+    ref_loss = float(trainer.callback_metrics["train_loss"]) if "train_loss" in trainer.callback_metrics else None
+    seen = set()
+    for params, last_loss in run_distributed(_fit, 4, timeout=260):
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-6, atol=1e-9, msg=name)
+            seen.add(name)
+        assert last_loss > 0 and (ref_loss is None or last_loss == pytest.approx(ref_loss, rel=1e-6))
+    assert seen == set(ref_params)
