@@ -2,7 +2,8 @@
 
 Importing the package registers the strategy names (``pp_1f1b``, ``pp_interleaved``,
 ``pp_combined_1f1b``, ``pp_gpipe``) with the Trainer's and Fabric's registries. Lightning itself is
-imported only when it is used (see ``strategies/registration.py``).
+imported only when it is used (see ``strategies/registration.py``), also for the lazily exported
+``PipelineMonitor`` callback (``lightning_pp.callbacks``).
 """
 
 from typing import Any
@@ -11,11 +12,15 @@ from lightning_pp.strategies.registration import install as _install
 
 _install()
 
-__all__ = ["FabricPipelineStrategy", "PipelineStrategy"]
+__all__ = ["FabricPipelineStrategy", "PipelineMonitor", "PipelineStrategy"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "PipelineMonitor":
+        from lightning_pp.callbacks import PipelineMonitor
+
+        return PipelineMonitor
     if name in __all__:
         import lightning_pp.strategies as strategies
 

@@ -192,6 +192,14 @@ class MoEBlock(nn.Module):
         if self.pool is not None and step >= 1:
             self.pool.mark_warm()
 
+    def pipeline_teardown(self) -> None:
+        """Release the staging buffers, together with the other expert-parallel ranks."""
+        if self.pool is not None:
+            if self.pool.symmetric and self.ep_group is not None:
+                dist.barrier(group=self.ep_group)  # no peer may still read our symmetric buffers
+            self.pool.reset()
+            self.pool = None
+
     def _capacity(self, tokens: int) -> Optional[int]:
         if self.capacity_factor is None:
             return None

@@ -176,6 +176,16 @@ class PipelineExecutor:
         with torch.no_grad():
             return self._guarded(lambda: self._step(batch, train=False, compute_loss=compute_loss, collect=collect_outputs))
 
+    def close(self) -> None:
+        """Release per-layer resources (staging buffers) on every rank; call at teardown, before
+        the process groups are destroyed (symmetric buffers are released collectively)."""
+        for chunk in self.partition.chunks:
+            for layer in chunk.layers:
+                for sub in layer.modules():
+                    teardown = getattr(sub, "pipeline_teardown", None)
+                    if callable(teardown):
+                        teardown()
+
     @property
     def is_last_stage_rank(self) -> bool:
         return self.pp_rank == (self.num_stages - 1) % self.config.pp

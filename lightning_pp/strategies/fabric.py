@@ -183,6 +183,11 @@ class FabricPipelineStrategy(DDPStrategy):
                 return _unwrap(obj)
         return None
 
+    def teardown(self) -> None:
+        if self.engine.executor is not None:
+            self.engine.executor.close()
+        super().teardown()
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_into(strategy_registry, cls)

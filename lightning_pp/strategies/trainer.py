@@ -282,6 +282,11 @@ class PipelineStrategy(DDPStrategy):
             elif path.exists():
                 path.unlink()
 
+    def teardown(self) -> None:
+        if self.engine.executor is not None:
+            self.engine.executor.close()
+        super().teardown()
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_into(strategy_registry, cls)

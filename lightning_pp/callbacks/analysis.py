@@ -1,0 +1,445 @@
+"""Where a pipelined step's time went, from the spans every rank's :class:`Timeline` recorded.
+
+No Lightning here: the Trainer callback (``monitor.py``), the exporters (``export.py``) and Fabric
+users all call these functions.
+
+Definitions (one training step, ``n`` ranks):
+
+* **Compute actions** are the spans of kind ``F``, ``B``, ``FB`` and ``W``. The executor records
+  a stage-boundary receive inside the action that needs it, so an action's span contains the time
+  it spent blocked on a ``recv_wait``. An action's **busy time** is its span minus the
+  ``recv_wait`` time inside it: waiting for a neighbour is pipeline bubble, not work. Waits on
+  expert all-to-all (``a2a_wait``) stay in the busy time, as in the simulator, where exposed
+  all-to-all is part of an action's duration; they are reported separately.
+* **Common window**: all ranks' spans are put on one time axis (see *Aligning ranks* below); the
+  window runs from the earliest start of any compute action on any rank to the latest end of one.
+  The optimizer step comes after the window (like the simulator's DP all-reduce after its
+  ``pipeline_makespan``) and is reported separately.
+* **Measured bubble of a rank** = ``1 - busy(rank) / window``; **overall** =
+  ``1 - sum(busy) / (n * window)``. These are the simulator's ``rank_bubble`` and
+  ``bubble_fraction`` formulas with ``busy`` and ``pipeline_makespan`` measured.
+* **Per-action cost**: the mean busy time of each compute kind over all ranks.
+* **Ideal**: :func:`~lightning_pp.schedules.simulate` of the same :class:`ScheduleConfig` with a
+  :class:`CostModel` whose ``forward`` / ``backward`` are the measured mean ``F`` / ``B`` costs and
+  free communication, i.e. the bubble this schedule would have with these compute costs, balanced
+  stages and no overheads. With several data-parallel pipelines every pipeline rank ``p`` is
+  compared with the simulator's rank ``p``.
+* **Hidden all-to-all** = ``1 - exposed / total``: ``exposed`` is the ``a2a_wait`` time, ``total``
+  the time of ``a2a`` spans (each all-to-all from launch until it is known complete). ``None``
+  until a runtime records ``a2a`` spans.
+
+Aligning ranks (no barrier): every step notes its origin on the host's monotonic clock
+(``time.perf_counter``, which is ``CLOCK_MONOTONIC`` on Linux and system-wide on every platform
+Python supports) and on the wall clock. Ranks on one host (same host name and boot id) are aligned
+with the monotonic origins, which is exact; ranks on several hosts with the wall-clock origins,
+which is as good as the hosts' clock synchronisation (NTP/PTP: typically well under a millisecond).
+``alignment="none"`` instead treats every rank's step start as simultaneous.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from lightning_pp.runtime.timeline import Span
+from lightning_pp.schedules import Action, CostModel, ScheduleConfig, SimulationResult, rank_actions, simulate
+
+COMPUTE_KINDS = ("F", "B", "FB", "W")
+RECV_WAIT = "recv_wait"
+A2A = "a2a"
+A2A_WAIT = "a2a_wait"
+OPTIMIZER = "optimizer"
+ALIGNMENTS = ("auto", "monotonic", "wall", "none")
+
+
+# -- one rank's step ------------------------------------------------------------------------------
+_HOST_ID: Optional[str] = None
+
+
+def host_id() -> str:
+    """This machine: host name plus the kernel's boot id where there is one, so two machines that
+    share a host name (containers) are not taken for one."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        boot = ""
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:
+            pass
+        _HOST_ID = f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
+    return _HOST_ID
+
+
+@dataclass
+class RankTimeline:
+    """One rank's spans of one step, with what is needed to place them next to other ranks'.
+
+    ``origin`` / ``origin_unix``: the step's start on the host's monotonic clock and on the wall
+    clock; ``host``: :func:`host_id` (empty when unknown). ``extra`` carries whatever the caller
+    gathers along (the monitor sends its sample and token counts)."""
+
+    rank: int
+    pp_rank: Optional[int] = None
+    dp_rank: Optional[int] = None
+    spans: list = field(default_factory=list)
+    origin: float = 0.0
+    origin_unix: float = 0.0
+    host: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_timeline(cls, timeline, rank: int = 0, pp_rank: Optional[int] = None, dp_rank: Optional[int] = None,
+                      extra: Optional[dict] = None) -> "RankTimeline":
+        spans = timeline.resolve() if hasattr(timeline, "resolve") else timeline.spans
+        return cls(
+            rank=rank,
+            pp_rank=pp_rank,
+            dp_rank=dp_rank,
+            spans=list(spans),
+            origin=float(getattr(timeline, "origin", 0.0)),
+            origin_unix=float(getattr(timeline, "origin_unix", 0.0)),
+            host=host_id(),
+            extra=dict(extra or {}),
+        )
+
+    def to_dict(self) -> dict:
+        """Plain types only (spans as 5-tuples): small and safe to pickle across processes."""
+        return {
+            "rank": self.rank,
+            "pp_rank": self.pp_rank,
+            "dp_rank": self.dp_rank,
+            "spans": [(s.kind, s.microbatch, s.chunk, s.start, s.end) for s in self.spans],
+            "origin": self.origin,
+            "origin_unix": self.origin_unix,
+            "host": self.host,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RankTimeline":
+        return cls(
+            rank=int(data["rank"]),
+            pp_rank=data.get("pp_rank"),
+            dp_rank=data.get("dp_rank"),
+            spans=[as_span(s) for s in data.get("spans", ())],
+            origin=float(data.get("origin", 0.0)),
+            origin_unix=float(data.get("origin_unix", 0.0)),
+            host=str(data.get("host", "")),
+            extra=dict(data.get("extra") or {}),
+        )
+
+
+def as_span(value: Any) -> Span:
+    """A :class:`Span` from a Span, a ``to_dict()`` dict or a ``(kind, microbatch, chunk, start, end)``
+    tuple."""
+    if isinstance(value, Span):
+        return value
+    if isinstance(value, dict):
+        return Span(str(value["kind"]), int(value["microbatch"]), int(value["chunk"]),
+                    float(value["start"]), float(value["end"]))
+    kind, microbatch, chunk, start, end = value
+    return Span(str(kind), int(microbatch), int(chunk), float(start), float(end))
+
+
+def as_records(spans_per_rank: Sequence[Any]) -> list[RankTimeline]:
+    """Normalise what callers pass as "the spans of every rank": :class:`RankTimeline` objects (as
+    :func:`gather_spans` returns), their ``to_dict()`` form, ``Timeline`` objects, or plain lists of
+    spans (then item ``i`` is global rank ``i`` and nothing is known about its clock)."""
+    records = []
+    for index, item in enumerate(spans_per_rank):
+        if isinstance(item, RankTimeline):
+            records.append(item)
+        elif isinstance(item, dict) and "spans" in item:
+            records.append(RankTimeline.from_dict(item))
+        elif hasattr(item, "spans") and hasattr(item, "begin_step"):  # a Timeline
+            records.append(RankTimeline.from_timeline(item, rank=index))
+        else:
+            records.append(RankTimeline(rank=index, spans=[as_span(s) for s in item]))
+    return records
+
+
+def gather_spans(timeline, group=None, topology=None, extra: Optional[dict] = None) -> list[RankTimeline]:
+    """Every rank's :class:`RankTimeline` of the current step, on every rank of ``group``.
+
+    Collective: all ranks of ``group`` (default: the world) must call it for the same step. With
+    ``topology`` (the executor's) each record carries its pipeline and data-parallel coordinates;
+    without, they are derived from the rank order when the step is analysed. Without an
+    initialised process group it returns this process's record alone."""
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialised else 0
+    pp_rank = topology.pp_rank if topology is not None else None
+    dp_rank = topology.dp_rank if topology is not None else None
+    record = RankTimeline.from_timeline(timeline, rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, extra=extra)
+    if not initialised:
+        return [record]
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, record.to_dict(), group=group)
+    return [RankTimeline.from_dict(item) for item in gathered]
+
+
+# -- the analysis ---------------------------------------------------------------------------------
+@dataclass
+class PipelineStats:
+    """What :func:`analyze` found for one step. Times are in seconds; lists follow ``ranks``."""
+
+    config: ScheduleConfig
+    ranks: list
+    pp_ranks: list
+    alignment: str
+    offsets: list  # seconds added to each rank's span times to reach the common axis
+    window: tuple  # (start, end) of the compute window on the common axis
+    busy: list
+    recv_wait: list  # exposed stage-boundary waits inside compute actions, per rank
+    rank_bubble: list
+    bubble_fraction: float
+    costs: dict  # compute kind -> mean busy seconds of one action
+    counts: dict  # compute kind -> number of actions (all ranks)
+    optimizer: list  # optimizer-step seconds per rank (0 when not recorded)
+    a2a_exposed: float
+    a2a_total: float
+    a2a_hidden: Optional[float]
+    ideal: SimulationResult
+    extra: list = field(default_factory=list)  # each record's ``extra``
+
+    @property
+    def step_time(self) -> float:
+        """Length of the compute window (first action start to last action end, all ranks)."""
+        return self.window[1] - self.window[0]
+
+    @property
+    def ideal_bubble(self) -> float:
+        return self.ideal.bubble_fraction
+
+    @property
+    def ideal_rank_bubble(self) -> list:
+        """The simulator's bubble of each rank's pipeline position, following ``ranks``."""
+        return [self.ideal.rank_bubble[p] for p in self.pp_ranks]
+
+    def metrics(self, prefix: str = "pipeline/") -> dict:
+        """Flat ``name -> float`` for loggers (times in milliseconds)."""
+        out = {
+            f"{prefix}bubble": self.bubble_fraction,
+            f"{prefix}ideal_bubble": self.ideal_bubble,
+            f"{prefix}step_ms": self.step_time * 1e3,
+            f"{prefix}recv_wait_ms": _mean(self.recv_wait) * 1e3,
+            f"{prefix}optimizer_ms": max(self.optimizer, default=0.0) * 1e3,
+        }
+        for kind, name in (("F", "forward"), ("B", "backward"), ("FB", "forward_backward"), ("W", "weight_grad")):
+            if kind in self.costs:
+                out[f"{prefix}{name}_ms"] = self.costs[kind] * 1e3
+        for rank, bubble, ideal in zip(self.ranks, self.rank_bubble, self.ideal_rank_bubble):
+            out[f"{prefix}bubble_rank{rank}"] = bubble
+            out[f"{prefix}ideal_bubble_rank{rank}"] = ideal
+        if self.a2a_total > 0 or self.a2a_exposed > 0:
+            out[f"{prefix}a2a_exposed_ms"] = self.a2a_exposed / max(len(self.ranks), 1) * 1e3
+        if self.a2a_hidden is not None:
+            out[f"{prefix}a2a_hidden"] = self.a2a_hidden
+        return out
+
+    def summary(self) -> str:
+        """One line: measured vs ideal bubble, step time and per-action costs."""
+        costs = " ".join(f"{kind} {self.costs[kind] * 1e3:.2f}ms" for kind in COMPUTE_KINDS if kind in self.costs)
+        text = (
+            f"{self.config.schedule} pp={self.config.pp} vp={self.config.vp} m={self.config.microbatches}: "
+            f"bubble {self.bubble_fraction:.1%} (ideal {self.ideal_bubble:.1%}), "
+            f"step {self.step_time * 1e3:.1f}ms, {costs}"
+        )
+        if self.a2a_hidden is not None:
+            text += f", a2a hidden {self.a2a_hidden:.0%}"
+        return text
+
+
+def clock_offsets(records: Sequence[RankTimeline], alignment: str = "auto") -> tuple[list[float], str]:
+    """Seconds to add to each record's span times to put every rank on one axis (zero = the
+    earliest step start), and the method used (``auto`` resolves to one of the others)."""
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment={alignment!r} is not one of {', '.join(ALIGNMENTS)}.")
+    if alignment == "auto":
+        hosts = {r.host for r in records}
+        if len(hosts) == 1 and "" not in hosts and all(r.origin > 0 for r in records):
+            alignment = "monotonic"
+        elif all(r.origin_unix > 0 for r in records):
+            alignment = "wall"
+        else:
+            alignment = "none"
+    if alignment == "none":
+        return [0.0] * len(records), alignment
+    bases = [r.origin if alignment == "monotonic" else r.origin_unix for r in records]
+    zero = min(bases, default=0.0)
+    return [b - zero for b in bases], alignment
+
+
+def _merged(intervals: list) -> list:
+    """Sorted, non-overlapping union of ``(start, end)`` intervals."""
+    out: list = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            if end > out[-1][1]:
+                out[-1][1] = end
+        else:
+            out.append([start, end])
+    return out
+
+
+def compute_busy(spans: Sequence[Span]) -> list[tuple[Span, float, float]]:
+    """``(span, busy seconds, recv wait seconds)`` of each compute action, in start order. The
+    wait is the part of the action covered by ``recv_wait`` spans."""
+    compute = sorted((s for s in spans if s.kind in COMPUTE_KINDS), key=lambda s: (s.start, s.end))
+    waits = _merged([(s.start, s.end) for s in spans if s.kind == RECV_WAIT and s.end > s.start])
+    out = []
+    first = 0  # waits before this index end before the current action starts (actions are ordered)
+    for span in compute:
+        while first < len(waits) and waits[first][1] <= span.start:
+            first += 1
+        waited = 0.0
+        k = first
+        while k < len(waits) and waits[k][0] < span.end:
+            waited += max(0.0, min(span.end, waits[k][1]) - max(span.start, waits[k][0]))
+            k += 1
+        duration = max(0.0, span.end - span.start)
+        out.append((span, duration - waited, waited))
+    return out
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _coordinates(records: list[RankTimeline], config: ScheduleConfig) -> list[tuple[int, int]]:
+    """(pp_rank, dp_rank) of each record: its own, else from the order (rank = pp_rank * dp + dp_rank)."""
+    n = len(records)
+    if n % config.pp:
+        raise ValueError(
+            f"spans of {n} ranks cannot form pipelines of pp={config.pp}: pass the spans of every rank "
+            f"(a multiple of pp), in global rank order."
+        )
+    dp = n // config.pp
+    out = []
+    for index, record in enumerate(records):
+        derived = divmod(record.rank if record.rank < n else index, dp)
+        pp_rank = record.pp_rank if record.pp_rank is not None else derived[0]
+        dp_rank = record.dp_rank if record.dp_rank is not None else derived[1]
+        if not 0 <= pp_rank < config.pp:
+            raise ValueError(f"rank {record.rank} says pp_rank={pp_rank}, outside 0..{config.pp - 1}.")
+        out.append((pp_rank, dp_rank))
+    return out
+
+
+def ideal_costs(costs: dict) -> CostModel:
+    """The simulator's cost model for measured mean action costs (seconds); communication free.
+    Without plain ``F`` / ``B`` actions a combined ``FB`` is split 1:2, the usual ratio."""
+    forward, backward = costs.get("F"), costs.get("B")
+    if "FB" in costs and (forward is None or backward is None):
+        if forward is None and backward is None:
+            forward, backward = costs["FB"] / 3, 2 * costs["FB"] / 3
+        elif forward is None:
+            forward = max(0.0, costs["FB"] - backward)
+        else:
+            backward = max(0.0, costs["FB"] - forward)
+    return CostModel(forward=float(forward or 0.0), backward=float(backward or 0.0))
+
+
+def analyze(spans_per_rank: Sequence[Any], config: ScheduleConfig, alignment: str = "auto") -> PipelineStats:
+    """Measured bubble per rank and overall, per-action costs, the simulator's ideal for those
+    costs, hidden all-to-all and optimizer time of one step (definitions in the module docstring).
+
+    ``spans_per_rank``: what :func:`gather_spans` returns, or anything :func:`as_records` takes, in
+    global rank order."""
+    records = as_records(spans_per_rank)
+    if not records:
+        raise ValueError("no spans to analyse: pass the spans of every rank of the step.")
+    coordinates = _coordinates(records, config)
+    offsets, method = clock_offsets(records, alignment)
+
+    per_rank = [compute_busy(r.spans) for r in records]
+    starts = [span.start + off for items, off in zip(per_rank, offsets) for span, _, _ in items]
+    ends = [span.end + off for items, off in zip(per_rank, offsets) for span, _, _ in items]
+    window = (min(starts), max(ends)) if starts else (0.0, 0.0)
+    length = window[1] - window[0]
+
+    busy = [sum(b for _, b, _ in items) for items in per_rank]
+    waited = [sum(w for _, _, w in items) for items in per_rank]
+    by_kind: dict = {}
+    for items in per_rank:
+        for span, b, _ in items:
+            by_kind.setdefault(span.kind, []).append(b)
+    costs = {kind: _mean(values) for kind, values in by_kind.items()}
+    counts = {kind: len(values) for kind, values in by_kind.items()}
+
+    if length > 0:
+        rank_bubble = [1.0 - b / length for b in busy]
+        bubble = 1.0 - sum(busy) / (len(records) * length)
+    else:
+        rank_bubble, bubble = [0.0] * len(records), 0.0
+
+    a2a_total = sum(s.end - s.start for r in records for s in r.spans if s.kind == A2A)
+    a2a_exposed = sum(s.end - s.start for r in records for s in r.spans if s.kind == A2A_WAIT)
+    a2a_hidden = max(0.0, 1.0 - a2a_exposed / a2a_total) if a2a_total > 0 else None
+    optimizer = [sum(s.end - s.start for s in r.spans if s.kind == OPTIMIZER) for r in records]
+
+    return PipelineStats(
+        config=config,
+        ranks=[r.rank for r in records],
+        pp_ranks=[c[0] for c in coordinates],
+        alignment=method,
+        offsets=offsets,
+        window=window,
+        busy=busy,
+        recv_wait=waited,
+        rank_bubble=rank_bubble,
+        bubble_fraction=bubble,
+        costs=costs,
+        counts=counts,
+        optimizer=optimizer,
+        a2a_exposed=a2a_exposed,
+        a2a_total=a2a_total,
+        a2a_hidden=a2a_hidden,
+        ideal=simulate(config, ideal_costs(costs)),
+        extra=[r.extra for r in records],
+    )
+
+
+def match_actions(record: RankTimeline, config: ScheduleConfig, pp_rank: int) -> list[tuple[Span, Optional[Action]]]:
+    """Pair the rank's compute spans, in start order, with its schedule's actions (the executor runs
+    them in exactly that order). Where the two disagree (an eval step, another schedule), spans
+    are paired with ``None``."""
+    compute = sorted((s for s in record.spans if s.kind in COMPUTE_KINDS), key=lambda s: (s.start, s.end))
+    planned = rank_actions(config, pp_rank)
+    if len(planned) == len(compute) and all(
+        a.kind == s.kind and a.microbatch == s.microbatch and a.chunk == s.chunk for a, s in zip(planned, compute)
+    ):
+        return list(zip(compute, planned))
+    return [(s, None) for s in compute]
+
+
+def span_action(span: Span, action: Optional[Action]) -> Action:
+    """The schedule action a compute span ran (an ``FB`` span alone names only its forward half)."""
+    if action is not None:
+        return action
+    return Action(span.kind, span.microbatch, span.chunk)
+
+
+__all__ = [
+    "A2A",
+    "A2A_WAIT",
+    "ALIGNMENTS",
+    "COMPUTE_KINDS",
+    "OPTIMIZER",
+    "RECV_WAIT",
+    "PipelineStats",
+    "RankTimeline",
+    "analyze",
+    "as_records",
+    "as_span",
+    "clock_offsets",
+    "compute_busy",
+    "gather_spans",
+    "host_id",
+    "ideal_costs",
+    "match_actions",
+    "span_action",
+]

@@ -1,0 +1,271 @@
+"""Pictures of one measured step next to its plan: a Chrome/Perfetto trace and a PNG timeline.
+
+Both take the spans of every rank (what :func:`~lightning_pp.callbacks.analysis.gather_spans`
+returns) and the :class:`ScheduleConfig`, and show for each rank two rows: the **planned** step
+(the simulator run with this step's measured mean action costs, see
+:func:`~lightning_pp.callbacks.analysis.analyze`) and the **measured** one. Time zero is the start
+of the step's first action on any rank. The planned rows are drawn with the schedule renderers
+(:func:`~lightning_pp.schedules.chrome_trace`, :func:`~lightning_pp.schedules.render.draw_actions`).
+
+From Fabric or a plain loop, after a training step (collective: every rank calls it)::
+
+    from lightning_pp.callbacks import capture_step
+    stats = capture_step(executor, "runs/pipeline", step=step)   # files written by global rank 0
+    print(stats.summary())
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from lightning_pp.callbacks.analysis import (
+    A2A,
+    A2A_WAIT,
+    OPTIMIZER,
+    RECV_WAIT,
+    PipelineStats,
+    analyze,
+    as_records,
+    compute_busy,
+    gather_spans,
+    match_actions,
+    span_action,
+)
+from lightning_pp.schedules import ScheduleConfig, chrome_trace
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+PLANNED_TID, MEASURED_TID, WAITS_TID = 0, 1, 2
+_TRACK_NAMES = {
+    PLANNED_TID: "planned (simulator, measured costs)",
+    MEASURED_TID: "measured",
+    WAITS_TID: "waits (p2p receive, all-to-all)",
+}
+_CATEGORY = {"F": "forward", "B": "backward", "FB": "forward_backward", "W": "weight_grad"}
+_WAIT_KINDS = (RECV_WAIT, A2A_WAIT, A2A)
+
+
+def _prepare(spans_per_rank: Sequence[Any], config: ScheduleConfig, alignment: str,
+             stats: Optional[PipelineStats]):
+    records = as_records(spans_per_rank)
+    if stats is None:
+        stats = analyze(records, config, alignment=alignment)
+    return records, stats
+
+
+def merged_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, step: Optional[int] = None,
+                 alignment: str = "auto", stats: Optional[PipelineStats] = None) -> dict:
+    """The Chrome/Perfetto trace dict: one process per rank with a planned track, a measured
+    track (compute actions and the optimizer step) and a waits track (``recv_wait``, ``a2a_wait``,
+    ``a2a``). Every event's ``args`` says its track, microbatch and chunk."""
+    records, stats = _prepare(spans_per_rank, config, alignment, stats)
+    zero = stats.window[0]
+    us = 1e6
+    events: list = []
+    for index, record in enumerate(records):
+        pid, pp_rank = record.rank, stats.pp_ranks[index]
+        dp = f", dp {record.dp_rank}" if record.dp_rank else ""
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"name": f"rank {record.rank} (pp {pp_rank}{dp})"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"sort_index": record.rank}})
+        for tid, name in _TRACK_NAMES.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
+                           "args": {"sort_index": tid}})
+
+    # Planned: the schedule renderer's trace of the simulation (1 cost unit = 1 s), one copy per
+    # data-parallel pipeline, moved onto each rank's planned track.
+    planned = chrome_trace(stats.ideal, config, us_per_unit=us)
+    for index, record in enumerate(records):
+        for event in planned["traceEvents"]:
+            if event["ph"] != "X" or event["pid"] != stats.pp_ranks[index]:
+                continue
+            copy = dict(event, pid=record.rank, tid=PLANNED_TID, args=dict(event.get("args", {}), track="planned"))
+            events.append(copy)
+
+    for index, record in enumerate(records):
+        pid, offset = record.rank, stats.offsets[index]
+        busy = {id(span): (b, w) for span, b, w in compute_busy(record.spans)}
+        for span, action in match_actions(record, config, stats.pp_ranks[index]):
+            action = span_action(span, action)
+            b, w = busy[id(span)]
+            args = dict(action.to_dict(), track="measured", busy_ms=b * 1e3, recv_wait_ms=w * 1e3)
+            events.append({
+                "name": action.describe(), "cat": _CATEGORY.get(span.kind, span.kind), "ph": "X",
+                "ts": (span.start + offset - zero) * us, "dur": (span.end - span.start) * us,
+                "pid": pid, "tid": MEASURED_TID, "args": args,
+            })
+        for span in record.spans:
+            if span.kind in _WAIT_KINDS:
+                tid, label = WAITS_TID, f"{span.kind} mb{span.microbatch}"
+                args = {"track": "waits", "microbatch": span.microbatch,
+                        ("stage" if span.kind == RECV_WAIT else "chunk"): span.chunk}
+            elif span.kind == OPTIMIZER:
+                tid, label, args = MEASURED_TID, "optimizer", {"track": "measured"}
+            else:
+                continue
+            events.append({
+                "name": label, "cat": span.kind, "ph": "X", "ts": (span.start + offset - zero) * us,
+                "dur": (span.end - span.start) * us, "pid": pid, "tid": tid, "args": args,
+            })
+
+    other = {
+        "schedule": config.schedule,
+        "pp": config.pp,
+        "vp": config.vp,
+        "microbatches": config.microbatches,
+        "step": step,
+        "alignment": stats.alignment,
+        "ranks": stats.ranks,
+        "bubble_fraction": stats.bubble_fraction,
+        "rank_bubble": stats.rank_bubble,
+        "ideal_bubble_fraction": stats.ideal_bubble,
+        "ideal_rank_bubble": stats.ideal_rank_bubble,
+        "step_ms": stats.step_time * 1e3,
+        "action_ms": {kind: cost * 1e3 for kind, cost in stats.costs.items()},
+        "a2a_hidden": stats.a2a_hidden,
+        "summary": stats.summary(),
+    }
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def export_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: PathLike,
+                 step: Optional[int] = None, alignment: str = "auto", stats: Optional[PipelineStats] = None) -> dict:
+    """Write :func:`merged_trace` as JSON to ``path`` (open it in https://ui.perfetto.dev or
+    ``chrome://tracing``) and return it."""
+    trace = merged_trace(spans_per_rank, config, step=step, alignment=alignment, stats=stats)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(trace, f)
+    return trace
+
+
+def export_png(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: PathLike,
+               step: Optional[int] = None, alignment: str = "auto", stats: Optional[PipelineStats] = None,
+               dpi: int = 110) -> Path:
+    """Save the step as a timeline picture (format from the extension; needs matplotlib, the
+    ``plot`` extra). Two rows per rank, the plan (on a grey band) above the measurement; time in
+    milliseconds from the step's first action. In measured rows hatched white marks the part of
+    an action spent waiting for a neighbour's activation or gradient (``recv_wait``), red hatching
+    exposed all-to-all waits, and a grey bar the optimizer step."""
+    from lightning_pp.schedules.render import action_colour, draw_actions, require_matplotlib
+
+    _, Figure, FigureCanvasAgg = require_matplotlib("export_png")
+    from matplotlib.patches import Patch
+
+    records, stats = _prepare(spans_per_rank, config, alignment, stats)
+    zero, ms = stats.window[0], 1e3
+    n = len(records)
+    ends = [stats.ideal.pipeline_makespan * ms]
+    for record, offset in zip(records, stats.offsets):
+        ends += [(s.end + offset - zero) * ms for s in record.spans]
+    right = max(ends + [1e-9])
+
+    fig = Figure(figsize=(12.0, min(1.6 + 0.5 * 2 * n, 40.0)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    points_per_ms = fig.get_figwidth() * 72 * 0.8 / right
+    height = 0.8
+    show_chunks = config.vp > 1
+
+    planned, measured = [], []
+    for index, record in enumerate(records):
+        planned_row, measured_row = 2 * index, 2 * index + 1
+        ax.axhspan(planned_row - 0.5, planned_row + 0.5, color=(0.94, 0.94, 0.94), zorder=0)
+        for _, action, start, end in stats.ideal.rank_events(stats.pp_ranks[index]):
+            planned.append((planned_row, action, start * ms, end * ms))
+        offset = stats.offsets[index]
+        for span, action in match_actions(record, config, stats.pp_ranks[index]):
+            measured.append((measured_row, span_action(span, action),
+                             (span.start + offset - zero) * ms, (span.end + offset - zero) * ms))
+        overlays = {RECV_WAIT: [], A2A_WAIT: [], OPTIMIZER: []}
+        for span in record.spans:
+            if span.kind in overlays and span.end > span.start:
+                overlays[span.kind].append(((span.start + offset - zero) * ms, (span.end - span.start) * ms))
+        y = measured_row - height / 2
+        if overlays[RECV_WAIT]:
+            ax.broken_barh(overlays[RECV_WAIT], (y, height), facecolors=(1, 1, 1, 0.7), edgecolor="grey",
+                           hatch="////", linewidth=0.3, zorder=3)
+        if overlays[A2A_WAIT]:
+            ax.broken_barh(overlays[A2A_WAIT], (y, height), facecolors=(1, 1, 1, 0.3), edgecolor="red",
+                           hatch="xx", linewidth=0.3, zorder=3)
+        if overlays[OPTIMIZER]:
+            ax.broken_barh(overlays[OPTIMIZER], (y, height), facecolors=(0.55, 0.55, 0.55), edgecolor="white",
+                           linewidth=0.4, zorder=2)
+    draw_actions(ax, planned, config.microbatches, show_chunks, points_per_ms, height)
+    draw_actions(ax, measured, config.microbatches, show_chunks, points_per_ms, height)
+
+    ax.set_ylim(2 * n - 0.5, -0.5)
+    ax.set_yticks(range(2 * n))
+    labels = []
+    for index, record in enumerate(records):
+        labels += [f"rank {record.rank} plan", f"rank {record.rank} measured"]
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_xlim(0, right)
+    ax.set_xlabel("time since the step's first action (ms)")
+    at = "" if step is None else f"step {step}: "
+    ax.set_title(
+        f"{config.schedule} pp={config.pp} vp={config.vp} microbatches={config.microbatches}  {at}"
+        f"bubble {stats.bubble_fraction:.1%} measured, {stats.ideal_bubble:.1%} planned; "
+        f"compute window {stats.step_time * 1e3:.1f} ms",
+        fontsize=9,
+    )
+    ax.legend(
+        handles=[
+            Patch(facecolor=action_colour(0, config.microbatches, False), label="forward (lighter)"),
+            Patch(facecolor=action_colour(0, config.microbatches, True), label="backward (darker)"),
+            Patch(facecolor="white", edgecolor="grey", hatch="////", label="waiting for neighbour"),
+            Patch(facecolor="white", edgecolor="red", hatch="xx", label="all-to-all wait"),
+            Patch(facecolor=(0.55, 0.55, 0.55), label="optimizer step"),
+            Patch(facecolor=(0.94, 0.94, 0.94), label="plan (simulator)"),
+        ],
+        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
+    )
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+def capture_step(executor, dirpath: Optional[PathLike] = None, step: Optional[int] = None, write_trace: bool = True,
+                 write_png: bool = True, group=None, alignment: str = "auto") -> PipelineStats:
+    """Gather the executor's last step from every rank, analyse it and (on global rank 0, when
+    ``dirpath`` is given) write ``pipeline_trace_step{step}.json`` and
+    ``pipeline_timeline_step{step}.png`` there. Collective: call it on every rank after the same
+    ``train_step`` (and after the optimizer step if you timed it into ``executor.timeline``).
+    Returns the same :class:`PipelineStats` on every rank."""
+    import torch.distributed as dist
+
+    records = gather_spans(executor.timeline, group=group, topology=executor.topology)
+    stats = analyze(records, executor.config, alignment=alignment)
+    is_zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if dirpath is not None and is_zero:
+        write_step_files(records, executor.config, dirpath, step, stats, write_trace, write_png)
+    return stats
+
+
+def step_file_names(step: Optional[int]) -> tuple[str, str]:
+    suffix = "" if step is None else f"_step{step}"
+    return f"pipeline_trace{suffix}.json", f"pipeline_timeline{suffix}.png"
+
+
+def write_step_files(records, config: ScheduleConfig, dirpath: PathLike, step: Optional[int],
+                     stats: PipelineStats, write_trace: bool = True, write_png: bool = True) -> list[Path]:
+    """Write the trace and/or the picture of one step into ``dirpath``; returns the paths."""
+    trace_name, png_name = step_file_names(step)
+    written = []
+    if write_trace:
+        export_trace(records, config, Path(dirpath) / trace_name, step=step, stats=stats)
+        written.append(Path(dirpath) / trace_name)
+    if write_png:
+        written.append(export_png(records, config, Path(dirpath) / png_name, step=step, stats=stats))
+    return written
+
+
+__all__ = ["capture_step", "export_png", "export_trace", "merged_trace", "step_file_names", "write_step_files"]
