@@ -17,11 +17,11 @@ collectives, and waiting on it waits for them. Nodes of the other microbatch hol
 event, so its compute runs while this microbatch's all-to-all is in flight. One code path, two
 backends.
 
-:meth:`ChunkSchedulePlan.run` interleaves the layers of two microbatches in Megatron's order, so
-that the dispatch and combine of one hide behind the compute of the other::
+:meth:`ChunkSchedulePlan.run` interleaves the layers of two microbatches with Megatron's pairing,
+so that the dispatch and combine of one hide behind the compute of the other::
 
-    comm:    combine_bwd(b) | dispatch_fwd(f), dispatch_bwd(b) | combine_fwd(f)
-    compute: attn_fwd(f)    | mlp_bwd(b), mlp_fwd(f)           | attn_bwd(b)
+    comm:    combine_bwd(b) | dispatch_fwd(f) | dispatch_bwd(b) | combine_fwd(f)
+    compute: attn_fwd(f)    | mlp_bwd(b)      | mlp_fwd(f)      | attn_bwd(b)
 """
 
 from __future__ import annotations
@@ -259,17 +259,25 @@ class ChunkSchedulePlan(AbstractSchedulePlan):
 
 
 def _overlapped_layer(f: LayerPlan, b: LayerPlan, x: Tensors, g: Tensors) -> tuple[Tensors, Tensors]:
-    """Megatron's issue order for one forward layer and one backward layer."""
+    """One forward layer and one backward layer, each collective launched before the compute it
+    hides behind (Megatron's pairing)::
+
+        combine_bwd(b) || attn_fwd(f);  dispatch_fwd(f) || mlp_bwd(b);
+        dispatch_bwd(b) || mlp_fwd(f);  combine_fwd(f) || attn_bwd(b)
+
+    Megatron issues mlp_bwd(b) before dispatch_fwd(f) because a GPU host never blocks on compute;
+    here every collective is issued first, which gives the same pairs on CUDA streams and also
+    lets the CPU backend (where compute runs on the issuing thread) overlap them."""
     fn, bn = f.nodes, b.nodes
     g = bn.post.backward(b, g)
-    g = bn.combine.backward(b, g)       # comm(b) launched ...
-    x = fn.attn.forward(f, x)           # ... while f's attention and routing compute
-    g = bn.mlp.backward(b, g)           # waits for b's combine backward
-    x = fn.dispatch.forward(f, x)       # comm(f) launched ...
-    g = bn.dispatch.backward(b, g)      # comm(b) launched ...
-    x = fn.mlp.forward(f, x)            # ... f's experts wait only for f's dispatch
-    x = fn.combine.forward(f, x)        # comm(f) launched ...
-    g = bn.attn.backward(b, g)          # ... while b's attention backward computes
+    g = bn.combine.backward(b, g)       # launch comm(b) ...
+    x = fn.attn.forward(f, x)           # ... under f's attention and routing
+    x = fn.dispatch.forward(f, x)       # launch comm(f) ...
+    g = bn.mlp.backward(b, g)           # ... under b's expert backward (waits for b's combine)
+    g = bn.dispatch.backward(b, g)      # launch comm(b) ...
+    x = fn.mlp.forward(f, x)            # ... under f's experts (wait for f's dispatch)
+    x = fn.combine.forward(f, x)        # launch comm(f) ...
+    g = bn.attn.backward(b, g)          # ... under b's attention backward
     x = fn.post.forward(f, x)
     return x, g
 
