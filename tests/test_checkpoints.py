@@ -58,7 +58,8 @@ def _train_and_resume(rank, world, ckpt_dir):
 
     torch.manual_seed(1)  # different init: everything must come from the checkpoint
     model2, rec2 = PipeRegressor(), Record()
-    trainer2 = L.Trainer(devices=world, strategy=_strategy(world), max_epochs=2, callbacks=[rec2], **TRAINER)
+    trainer2 = L.Trainer(devices=world, strategy=_strategy(world), max_epochs=2, callbacks=[rec2],
+                         default_root_dir=str(Path(ckpt_dir) / ".." / "resumed"), **TRAINER)
     trainer2.fit(model2, loader(8), loader(8), ckpt_path=str(Path(ckpt_dir) / "epoch=0.ckpt"))
     return uninterrupted, rec.epoch0, (rec2.losses, _params(model2)), trainer2.global_step
 
@@ -67,7 +68,8 @@ def _resume_at(rank, world, ckpt_path):
     os.environ["LOCAL_RANK"] = str(rank)
     torch.manual_seed(2)
     model, rec = PipeRegressor(), Record()
-    trainer = L.Trainer(devices=world, strategy=_strategy(world), max_epochs=2, callbacks=[rec], **TRAINER)
+    trainer = L.Trainer(devices=world, strategy=_strategy(world), max_epochs=2, callbacks=[rec], enable_checkpointing=False,
+                        **TRAINER)
     trainer.fit(model, loader(8), loader(8), ckpt_path=ckpt_path)
     return rec.losses, _params(model)
 
@@ -76,7 +78,7 @@ def _load_weights_at(rank, world, ckpt_path):
     os.environ["LOCAL_RANK"] = str(rank)
     torch.manual_seed(3)
     model = PipeRegressor()
-    trainer = L.Trainer(devices=world, strategy=_strategy(world), **TRAINER)
+    trainer = L.Trainer(devices=world, strategy=_strategy(world), enable_checkpointing=False, **TRAINER)
     metrics = trainer.validate(model, loader(8), ckpt_path=ckpt_path, verbose=False)
     return _params(model), metrics
 
