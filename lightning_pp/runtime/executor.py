@@ -370,13 +370,14 @@ class PipelineExecutor:
 
     def _backward(self, microbatch: int, chunk_id: int) -> None:
         received, plan, roots, grads = self._output_grads(microbatch, chunk_id)
-        if plan is not None:
-            in_grads = plan.backward(grads)
-            self._finish_backward(microbatch, chunk_id, received, in_grads)
-            return
-        if roots:
-            _backward(roots, grads)
-        self._finish_backward(microbatch, chunk_id, received, tuple(t.grad for t in received))
+        with self._context(microbatch, chunk_id):
+            if plan is not None:
+                in_grads = plan.backward(grads)
+            else:
+                if roots:
+                    _backward(roots, grads)
+                in_grads = tuple(t.grad for t in received)
+        self._finish_backward(microbatch, chunk_id, received, in_grads)
 
     def _finish_backward(self, microbatch: int, chunk_id: int, received: tuple, in_grads: tuple) -> None:
         stage = self.partition.chunks[chunk_id].stage
