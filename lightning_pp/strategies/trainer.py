@@ -214,7 +214,14 @@ class PipelineStrategy(DDPStrategy):
         return self._eval_step(args[0], "test_loss")
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        result = self.engine.executor.eval_step(args[0], compute_loss=False, collect_outputs=True)
+        return self.pipeline_predict(args[0])
+
+    def pipeline_predict(self, batch: Any) -> Any:
+        """Forward-only pass of ``batch`` through the pipeline; the last stage's outputs
+        (concatenated over microbatches) on every rank. Collective: call it on every rank, e.g.
+        in a generation loop after ``fit``."""
+        with torch.no_grad():
+            result = self.engine.executor.eval_step(batch, compute_loss=False, collect_outputs=True)
         return self.engine.gather_outputs(result.outputs)
 
     def _replay_logs(self, batch_size: Optional[int]) -> None:
