@@ -273,11 +273,12 @@ def clock_offsets(records: Sequence[RankTimeline], alignment: str = "auto") -> t
     return [b - zero for b in bases], alignment
 
 
-def _merged(intervals: list) -> list:
-    """Sorted, non-overlapping union of ``(start, end)`` intervals."""
+def merge_intervals(intervals: list, gap: float = 0.0) -> list:
+    """Sorted, non-overlapping union of ``(start, end)`` intervals, as ``[start, end]`` lists;
+    intervals less than ``gap`` apart are joined too."""
     out: list = []
     for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
+        if out and start <= out[-1][1] + gap:
             if end > out[-1][1]:
                 out[-1][1] = end
         else:
@@ -289,7 +290,7 @@ def compute_busy(spans: Sequence[Span]) -> list[tuple[Span, float, float]]:
     """``(span, busy seconds, recv wait seconds)`` of each compute action, in start order. The
     wait is the part of the action covered by ``recv_wait`` spans."""
     compute = sorted((s for s in spans if s.kind in COMPUTE_KINDS), key=lambda s: (s.start, s.end))
-    waits = _merged([(s.start, s.end) for s in spans if s.kind == RECV_WAIT and s.end > s.start])
+    waits = merge_intervals([(s.start, s.end) for s in spans if s.kind == RECV_WAIT and s.end > s.start])
     out = []
     first = 0  # waits before this index end before the current action starts (actions are ordered)
     for span in compute:
@@ -441,5 +442,6 @@ __all__ = [
     "host_id",
     "ideal_costs",
     "match_actions",
+    "merge_intervals",
     "span_action",
 ]

@@ -32,6 +32,7 @@ from lightning_pp.callbacks.analysis import (
     compute_busy,
     gather_spans,
     match_actions,
+    merge_intervals,
     span_action,
 )
 from lightning_pp.schedules import ScheduleConfig, chrome_trace
@@ -183,17 +184,20 @@ def export_png(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: Path
         for span, action in match_actions(record, config, stats.pp_ranks[index]):
             measured.append((measured_row, span_action(span, action),
                              (span.start + offset - zero) * ms, (span.end + offset - zero) * ms))
-        overlays = {RECV_WAIT: [], A2A_WAIT: [], OPTIMIZER: []}
-        for span in record.spans:
-            if span.kind in overlays and span.end > span.start:
-                overlays[span.kind].append(((span.start + offset - zero) * ms, (span.end - span.start) * ms))
+        overlays = {}
+        for kind in (RECV_WAIT, A2A_WAIT, OPTIMIZER):
+            # Back-to-back waits (a header, then its tensors) are drawn as one patch.
+            intervals = merge_intervals([((s.start + offset - zero) * ms, (s.end + offset - zero) * ms)
+                                         for s in record.spans if s.kind == kind and s.end > s.start],
+                                        gap=right * 0.002)
+            overlays[kind] = [(start, end - start) for start, end in intervals]
         y = measured_row - height / 2
         if overlays[RECV_WAIT]:
             ax.broken_barh(overlays[RECV_WAIT], (y, height), facecolors=(1, 1, 1, 0.7), edgecolor="grey",
-                           hatch="////", linewidth=0.3, zorder=3)
+                           hatch="////", linewidth=0, zorder=3)
         if overlays[A2A_WAIT]:
             ax.broken_barh(overlays[A2A_WAIT], (y, height), facecolors=(1, 1, 1, 0.3), edgecolor="red",
-                           hatch="xx", linewidth=0.3, zorder=3)
+                           hatch="xx", linewidth=0, zorder=3)
         if overlays[OPTIMIZER]:
             ax.broken_barh(overlays[OPTIMIZER], (y, height), facecolors=(0.55, 0.55, 0.55), edgecolor="white",
                            linewidth=0.4, zorder=2)
