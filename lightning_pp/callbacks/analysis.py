@@ -34,6 +34,10 @@ Python supports) and on the wall clock. Ranks on one host (same host name and bo
 with the monotonic origins, which is exact; ranks on several hosts with the wall-clock origins,
 which is as good as the hosts' clock synchronisation (NTP/PTP: typically well under a millisecond).
 ``alignment="none"`` instead treats every rank's step start as simultaneous.
+
+On CUDA the compute spans are GPU times (CUDA events) while receive waits are host times, and a
+GPU-side wait for an incoming activation shows up inside the action rather than as a
+``recv_wait``; the busy times there are an upper bound, and the bubble a lower bound.
 """
 
 from __future__ import annotations

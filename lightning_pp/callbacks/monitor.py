@@ -61,6 +61,7 @@ class PipelineMonitor(Callback):
         prog_bar: show ``pp_bubble`` / ``pp_ideal`` in the progress bar.
         prefix: prefix of the logged metric names.
         alignment: how ranks' clocks are aligned (see :func:`~lightning_pp.callbacks.analysis.clock_offsets`).
+        history_size: how many analysed batches :attr:`history` keeps.
 
     Throughput counts the time from the end of one training batch to the end of the next (so data
     loading is included), without validation, epoch boundaries or the monitor's own gathers.
@@ -68,7 +69,8 @@ class PipelineMonitor(Callback):
     the end of the optimizer's ``step`` and recorded into the executor's timeline as an
     ``optimizer`` span (with CUDA events on CUDA).
 
-    Set ``enabled = False`` (on every rank) to pause it.
+    Set ``enabled = False`` (on every rank) to pause it. Nothing is gathered while the executor's
+    timeline is off (``executor.timeline.enabled = False``).
     """
 
     def __init__(
@@ -196,6 +198,8 @@ class PipelineMonitor(Callback):
             timeline.add_between(OPTIMIZER, -1, -1, self._opt_start, end)
             self._opt_start = self._opt_end = None
         index = self._batch_index
+        if not timeline.enabled:
+            return
         if (index + 1) % self.every_n_steps == 0 or index == self.trace_step:
             self._capture(trainer, pl_module, index)
             self._clock = time.perf_counter()  # the gather is not training time
