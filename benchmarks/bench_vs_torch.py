@@ -481,6 +481,28 @@ def _config(args: Any) -> dict:
     return merged
 
 
+def _code_version() -> str:
+    """Where ``lightning_pp`` is imported from, and its git commit (+ "dirty" if its files have
+    uncommitted changes): the runtime is edited concurrently, so results must say what ran."""
+    import subprocess
+
+    import lightning_pp
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(lightning_pp.__file__)))
+    try:
+        commit = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if commit.returncode != 0:
+            return root
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--", "lightning_pp"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        return f"{root} @ {commit.stdout.strip()}{' + uncommitted changes' if dirty else ''}"
+    except (OSError, subprocess.SubprocessError):
+        return root
+
+
 def run(args: Any = None) -> dict:
     """Run the benchmark (spawns the processes) and return its figures.
 
@@ -496,7 +518,8 @@ def run(args: Any = None) -> dict:
     load_before = _wait_quiet(cfg["wait_quiet"]) if cfg["wait_quiet"] > 0 else None
     raw = _launch(cfg)
     out: dict[str, Any] = {
-        "config": {k: cfg[k] for k in DEFAULTS} | {"torch": torch.__version__, "world_size": WORLD_SIZE},
+        "config": {k: cfg[k] for k in DEFAULTS}
+        | {"torch": torch.__version__, "world_size": WORLD_SIZE, "lightning_pp": _code_version()},
         "times_ms": {},
         "load_before_start": load_before,
     }
@@ -537,6 +560,7 @@ def format_report(result: dict) -> str:
     cfg = result["config"]
     lines = [
         f"lightning_pp vs torch.distributed.pipelining (torch {cfg['torch']}), {cfg['world_size']} processes, gloo, CPU",
+        f"lightning_pp from {cfg.get('lightning_pp', '?')}",
         f"model: linear {cfg['hidden']}->{cfg['hidden']}, {cfg['blocks']} x residual MLP "
         f"(LayerNorm, {cfg['hidden']}->{cfg['ffn_mult'] * cfg['hidden']}->{cfg['hidden']}, GELU), linear; float32",
         f"batch {cfg['batch']}, {cfg['microbatches']} microbatches, SGD; >= {cfg['steps']} measured steps per "
