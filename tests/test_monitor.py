@@ -173,6 +173,22 @@ def test_timeline_marks_and_local_gather():
     assert off.spans == []
 
 
+@pytest.mark.cuda
+def test_cuda_marks_are_events_resolved_after_the_step():
+    timeline = Timeline(device=torch.device("cuda"))
+    timeline.begin_step()
+    with timeline.span("F", 0, 0, device_side=True):
+        torch.cuda._sleep(2_000_000)
+    timeline.end_step()
+    start = timeline.mark()
+    assert isinstance(start, torch.cuda.Event)
+    torch.cuda._sleep(2_000_000)
+    timeline.add_between("optimizer", -1, -1, start, timeline.mark())
+    forward, optimizer = timeline.resolve()
+    assert (forward.kind, optimizer.kind) == ("F", "optimizer")
+    assert 0 <= forward.start < forward.end <= optimizer.start < optimizer.end
+
+
 def test_importing_the_callbacks_does_not_import_lightning():
     code = ("import sys, lightning_pp, lightning_pp.callbacks as c; "
             "assert not any(m == 'lightning' or m.startswith('lightning.') for m in sys.modules), 'lightning imported'; "

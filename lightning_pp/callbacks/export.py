@@ -219,17 +219,18 @@ def export_png(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: Path
         f"compute window {stats.step_time * 1e3:.1f} ms",
         fontsize=9,
     )
-    ax.legend(
-        handles=[
-            Patch(facecolor=action_colour(0, config.microbatches, False), label="forward (lighter)"),
-            Patch(facecolor=action_colour(0, config.microbatches, True), label="backward (darker)"),
-            Patch(facecolor="white", edgecolor="grey", hatch="////", label="waiting for neighbour"),
-            Patch(facecolor="white", edgecolor="red", hatch="xx", label="all-to-all wait"),
-            Patch(facecolor=(0.55, 0.55, 0.55), label="optimizer step"),
-            Patch(facecolor=(0.94, 0.94, 0.94), label="plan (simulator)"),
-        ],
-        loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-    )
+    kinds = {s.kind for record in records for s in record.spans}
+    handles = [
+        Patch(facecolor=action_colour(0, config.microbatches, False), label="forward (lighter)"),
+        Patch(facecolor=action_colour(0, config.microbatches, True), label="backward (darker)"),
+        Patch(facecolor="white", edgecolor="grey", hatch="////", label="waiting for neighbour"),
+    ]
+    if A2A_WAIT in kinds:
+        handles.append(Patch(facecolor="white", edgecolor="red", hatch="xx", label="all-to-all wait"))
+    if OPTIMIZER in kinds:
+        handles.append(Patch(facecolor=(0.55, 0.55, 0.55), label="optimizer step"))
+    handles.append(Patch(facecolor=(0.94, 0.94, 0.94), label="plan (simulator)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -186,12 +186,12 @@ class PipelineMonitor(Callback):
             self._opt_end = self._executor.timeline.mark()
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        elapsed, self._clock = now - self._clock, now
         executor = self._executor
         if executor is None or not self.enabled:
             return
-        now = time.perf_counter()
-        self._seconds += now - self._clock
-        self._clock = now
+        self._seconds += elapsed
         timeline = executor.timeline
         if self._opt_start is not None:
             end = self._opt_end if self._opt_end is not None else timeline.mark()
