@@ -1,0 +1,445 @@
+"""What seeing the pipeline costs: step time with timeline recording and the PipelineMonitor on vs off.
+
+Three measurements on 2 gloo processes (pp=2, 1F1B; model: input linear, ``--blocks`` residual MLP
+blocks of width ``--hidden`` (4x expansion), output linear; float32; batch ``--batch`` in
+``--microbatches``):
+
+1. **Recording** (runtime only, no Lightning): a step is ``zero_grad`` + ``executor.train_step`` +
+   ``SGD.step``, timed after a barrier, the step time being the maximum over the ranks. Rounds of
+   two blocks of ``--block-size`` steps, one with ``executor.timeline.enabled = True`` and one with
+   ``False`` (which goes first alternates), ``--steps`` steps per setting.
+   ``timeline_overhead`` = median(on) / median(off) - 1.
+2. **Recording cost per span**, timed in-process: ``Timeline.span`` around an empty body (on minus
+   off), times the spans of one step; ``timeline_bound`` = that / median step time is the
+   recording cost without the noise of whole steps.
+3. **Callback** (Trainer fit): ``PipelineMonitor(every_n_steps=10)`` (no files) together with
+   recording, switched on and off for alternating blocks of 20 batches (so every "on" block holds
+   two gathers), ``--fit-rounds`` rounds after a warm-up block; a batch's time runs from one
+   ``on_train_batch_end`` to the next. ``monitor_overhead`` = mean(on) / mean(off) - 1: the mean,
+   not the median, because the gather every 10th batch is part of the cost.
+
+Other jobs on the machine's 2 cores distort all of this. Each block measures the CPU that
+processes other than the benchmark used meanwhile (from ``/proc/stat``); rounds in which a block
+saw more than 0.25 cores of it are left out when at least 3 clean rounds remain (``*_rounds_clean``
+says how many were used). ``*_noise_floor`` is the same comparison between the "off" blocks of even
+and odd rounds: differences below it are noise. ``--wait-quiet S`` first waits up to S seconds for
+an idle machine.
+
+Usage::
+
+    python benchmarks/bench_monitor_overhead.py --wait-quiet 120     # hidden 512, ~1.5 minutes
+    python benchmarks/bench_monitor_overhead.py --quick              # smoke test
+
+Prints ``name: value`` lines, the last one ``monitor_overhead: <fraction>``; ``run(args)`` returns
+the figures as a dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+WORLD_SIZE = 2
+DEFAULTS = {
+    "hidden": 512,
+    "blocks": 6,
+    "batch": 256,
+    "microbatches": 4,
+    "steps": 40,
+    "block_size": 5,
+    "warmup": 3,
+    "fit_rounds": 3,
+    "every_n_steps": 10,
+    "timeout": 900.0,
+    "wait_quiet": 0.0,
+    "quick": False,
+}
+CONTENDED = 0.25  # a block during which other processes used more cores than this is left out
+QUICK = {"steps": 10, "block_size": 5, "warmup": 1, "fit_rounds": 1, "hidden": 256}
+FIT_BLOCK = 20  # batches per on/off block of the callback measurement (2 gathers at every_n_steps=10)
+
+
+# -- model ------------------------------------------------------------------------------------------
+def _model(hidden: int, blocks: int, lightning: bool):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(hidden)
+            self.up = nn.Linear(hidden, 4 * hidden)
+            self.down = nn.Linear(4 * hidden, hidden)
+
+        def forward(self, x):
+            return x + self.down(F.gelu(self.up(self.norm(x))))
+
+    base = nn.Module
+    if lightning:
+        import lightning as L
+
+        base = L.LightningModule
+
+    class Model(base):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(hidden, hidden)
+            self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+            self.head = nn.Linear(hidden, hidden)
+
+        def pipeline_layers(self):
+            return [self.embed, *self.blocks, self.head]
+
+        def pipeline_loss(self, output, batch):
+            return F.mse_loss(output, batch[1])
+
+        def training_step(self, batch, batch_idx):  # single-device form; the strategy pipelines it
+            x = batch[0]
+            for layer in self.pipeline_layers():
+                x = layer(x)
+            return self.pipeline_loss(x, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    return Model()
+
+
+def _data(cfg: dict, n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, cfg["hidden"], generator=g), torch.randn(n, cfg["hidden"], generator=g)
+
+
+# -- 1 + 2: the runtime alone ----------------------------------------------------------------------
+def _timed_step(executor, optimizer, batch) -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    executor.train_step(batch)
+    optimizer.step()
+    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _span_cost_seconds(repeats: int = 20000) -> float:
+    """Seconds one ``Timeline.span`` adds around an empty body (recording on minus off)."""
+    from lightning_pp.runtime.timeline import Timeline
+
+    def loop(timeline) -> float:
+        timeline.begin_step()
+        start = time.perf_counter()
+        for i in range(repeats):
+            with timeline.span("F", i, 0):
+                pass
+        return time.perf_counter() - start
+
+    on, off = Timeline(enabled=True), Timeline(enabled=False)
+    best_on = min(loop(on) for _ in range(5))
+    best_off = min(loop(off) for _ in range(5))
+    return max(0.0, best_on - best_off) / repeats
+
+
+def _runtime_part(cfg: dict, rank: int) -> dict:
+    import torch
+    from lightning_pp.runtime import build_pipeline
+
+    executor = build_pipeline(_model(cfg["hidden"], cfg["blocks"], lightning=False), pipeline_parallel_size=WORLD_SIZE,
+                              num_microbatches=cfg["microbatches"], schedule="1f1b")
+    optimizer = torch.optim.SGD([p for p in executor.module.parameters()], lr=1e-3)
+    batch = _data(cfg, cfg["batch"])
+    for _ in range(cfg["warmup"]):
+        _timed_step(executor, optimizer, batch)
+    executor.timeline.enabled = True
+    _timed_step(executor, optimizer, batch)
+    spans_per_step = len(executor.timeline.spans)
+    blocks = []  # (round, recording on?, step times, foreign cores)
+    rounds = -(-cfg["steps"] // cfg["block_size"])
+    for round_index in range(rounds):
+        order = (True, False) if round_index % 2 == 0 else (False, True)
+        for enabled in order:
+            executor.timeline.enabled = enabled
+            load = _Load()
+            times = [_timed_step(executor, optimizer, batch) for _ in range(cfg["block_size"])]
+            blocks.append((round_index, enabled, times, load.stop()))
+    executor.timeline.enabled = True
+    return {"blocks": blocks, "spans_per_step": spans_per_step,
+            "span_cost_s": _span_cost_seconds() if rank == 0 else None}
+
+
+# -- 3: the callback in a Trainer fit ------------------------------------------------------------------
+def _fit_part(cfg: dict, rank: int) -> dict:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pp import PipelineMonitor, PipelineStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    rounds = cfg["fit_rounds"]
+    batches = 2 * FIT_BLOCK * rounds + FIT_BLOCK  # a first block to warm up, then on/off pairs
+    monitor = PipelineMonitor(every_n_steps=cfg["every_n_steps"], write_trace=False, write_png=False, prog_bar=False)
+
+    blocks: list = []  # (round, on?, batch times, foreign cores), like the runtime part
+
+    class Switch(L.Callback):
+        """Before each batch (first in the callback list): at a block boundary, close the last
+        block's load measurement and switch the monitor and recording on or off for the next
+        block; the same on every rank."""
+
+        state = True
+        load = None
+        block = -1
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            step = trainer.global_step
+            if step % FIT_BLOCK:
+                return
+            if self.load is not None and self.block >= 0:
+                blocks.append((self.block // 2, self.state, list(times), self.load.stop()))
+            times.clear()
+            self.block = step // FIT_BLOCK - 1  # block -1: warm-up
+            pair, second = divmod(self.block, 2)
+            self.state = (second == 0) if pair % 2 == 0 else (second == 1)  # flip the order every pair
+            monitor.enabled = self.state
+            pl_module._lpp_executor.timeline.enabled = self.state
+            self.load = _Load()
+
+        def on_train_end(self, trainer, pl_module):
+            if self.load is not None and self.block >= 0:
+                blocks.append((self.block // 2, self.state, list(times), self.load.stop()))
+
+    class Timer(L.Callback):
+        """After each batch (last in the list, so after the monitor's gather): the batch's time."""
+
+        last = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            now = time.perf_counter()
+            if self.last is not None:
+                times.append(now - self.last)
+            self.last = now
+
+    times: list = []
+    switch = Switch()
+    x, y = _data(cfg, cfg["batch"] * FIT_BLOCK)  # one epoch = one block; epochs repeat the data
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD_SIZE, max_steps=batches, callbacks=[switch, monitor, Timer()],
+        strategy=PipelineStrategy(pipeline_parallel_size=WORLD_SIZE, num_microbatches=cfg["microbatches"]),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    model = _model(cfg["hidden"], cfg["blocks"], lightning=True)
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=cfg["batch"]))
+    return {"blocks": blocks, "gathers": len(monitor.history),
+            "bubble": monitor.history[-1]["pipeline/bubble"] if monitor.history else None}
+
+
+# -- processes ---------------------------------------------------------------------------------------
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_busy_seconds() -> Optional[float]:
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / _CLK_TCK
+
+
+class _Load:
+    """CPU cores that processes other than the benchmark's own used from construction to
+    :meth:`stop` (collective: every rank calls ``stop``). About 0 on a quiet machine, about 1 when
+    another job took a core; coarse (10 ms ticks), so measured over whole blocks of steps."""
+
+    def __init__(self) -> None:
+        self.busy = _machine_busy_seconds()
+        self.cpu = time.process_time()
+        self.start = time.perf_counter()
+
+    def stop(self) -> Optional[float]:
+        import torch
+        import torch.distributed as dist
+
+        own = torch.tensor([time.process_time() - self.cpu], dtype=torch.float64)
+        dist.all_reduce(own)
+        busy, wall = _machine_busy_seconds(), time.perf_counter() - self.start
+        if self.busy is None or busy is None or wall <= 0:
+            return None
+        return max(0.0, (busy - self.busy - float(own[0])) / wall)
+
+
+def _worker(rank: int, port: int, cfg: dict, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+        result = {"runtime": _runtime_part(cfg, rank), "fit": _fit_part(cfg, rank)}
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException as exc:
+        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def _launch(cfg: dict) -> list:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, cfg, queue), daemon=True) for r in range(WORLD_SIZE)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + cfg["timeout"]
+    results: dict = {}
+    errors: dict = {}
+    try:
+        while len(results) + len(errors) < WORLD_SIZE and time.monotonic() < deadline:
+            try:
+                rank, ok, value = queue.get(timeout=0.5)
+            except Exception:
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    break
+                continue
+            (results if ok else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors or len(results) < WORLD_SIZE:
+        detail = "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or "no result (deadline or crash)"
+        raise RuntimeError(f"benchmark failed:\n{detail}")
+    return [pickle.loads(results[r]) for r in range(WORLD_SIZE)]
+
+
+def _compare(blocks: list, statistic) -> dict:
+    """on / off figures over the rounds in which neither block was contended (all rounds if fewer
+    than 3 are clean); noise floor = the same comparison between the off blocks of even and odd
+    rounds."""
+    by_round: dict = {}
+    for round_index, enabled, times, foreign in blocks:
+        by_round.setdefault(round_index, {})[enabled] = (times, foreign)
+    complete = {r: b for r, b in by_round.items() if True in b and False in b}
+    clean = {r: b for r, b in complete.items()
+             if all(f is not None and f < CONTENDED for _, f in b.values())}
+    used = clean if len(clean) >= 3 else complete
+    on = [t for b in used.values() for t in b[True][0]]
+    off = [t for b in used.values() for t in b[False][0]]
+    even = [t for r, b in used.items() if r % 2 == 0 for t in b[False][0]]
+    odd = [t for r, b in used.items() if r % 2 == 1 for t in b[False][0]]
+    foreign = [f for b in complete.values() for _, f in b.values() if f is not None]
+    return {
+        "on": statistic(on),
+        "off": statistic(off),
+        "overhead": statistic(on) / statistic(off) - 1,
+        "noise_floor": abs(statistic(even) / statistic(odd) - 1) if even and odd else None,
+        "rounds": len(complete),
+        "clean_rounds": len(clean),
+        "steps_per_setting": len(on),
+        "foreign_cores_mean": statistics.mean(foreign) if foreign else None,
+    }
+
+
+def run(args: Any = None) -> dict:
+    """Run the benchmark; ``args`` is an argparse namespace or dict overriding :data:`DEFAULTS`."""
+    cfg = dict(DEFAULTS)
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    if given.get("quick"):
+        cfg.update(QUICK)
+    cfg.update({k: v for k, v in given.items() if v is not None and k in DEFAULTS and k != "quick"})
+    if cfg["wait_quiet"] > 0:
+        _wait_quiet(cfg["wait_quiet"])
+    results = _launch(cfg)
+    runtime, fit = results[0]["runtime"], results[0]["fit"]  # step times are already max over ranks
+    recording = _compare(runtime["blocks"], statistics.median)
+    callback = _compare(fit["blocks"], statistics.mean)
+    return {
+        "config": {k: cfg[k] for k in ("hidden", "blocks", "batch", "microbatches", "steps", "block_size",
+                                       "fit_rounds", "every_n_steps")},
+        "step_ms_recording_off": recording["off"] * 1e3,
+        "step_ms_recording_on": recording["on"] * 1e3,
+        "timeline_overhead": recording["overhead"],
+        "timeline_noise_floor": recording["noise_floor"],
+        "timeline_rounds_clean": f"{recording['clean_rounds']}/{recording['rounds']}",
+        "spans_per_step": runtime["spans_per_step"],
+        "span_cost_us": runtime["span_cost_s"] * 1e6,
+        "timeline_bound": runtime["spans_per_step"] * runtime["span_cost_s"] / recording["off"],
+        "fit_batch_ms_off": callback["off"] * 1e3,
+        "fit_batch_ms_on": callback["on"] * 1e3,
+        "monitor_noise_floor": callback["noise_floor"],
+        "monitor_rounds_clean": f"{callback['clean_rounds']}/{callback['rounds']}",
+        "monitor_batches_per_setting": callback["steps_per_setting"],
+        "monitor_gathers": fit["gathers"],
+        "monitor_last_bubble": fit["bubble"],
+        "foreign_cores_mean": _mean_of(recording["foreign_cores_mean"], callback["foreign_cores_mean"]),
+        "monitor_overhead": callback["overhead"],
+    }
+
+
+def _mean_of(*values) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return statistics.mean(present) if present else None
+
+
+def _wait_quiet(max_wait: float, window: float = 2.0, threshold: float = 0.2) -> None:
+    """Wait up to ``max_wait`` seconds for a ``window`` in which the machine used < ``threshold`` cores."""
+    deadline = time.monotonic() + max_wait
+    while time.monotonic() < deadline:
+        before, start = _machine_busy_seconds(), time.monotonic()
+        time.sleep(window)
+        after = _machine_busy_seconds()
+        if before is None or after is None or (after - before) / (time.monotonic() - start) < threshold:
+            return
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in DEFAULTS.items():
+        if name == "quick":
+            parser.add_argument("--quick", action="store_true", help="small and short: a smoke test")
+        else:
+            parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=type(default), default=None,
+                                help=f"default {default}")
+    args = parser.parse_args()
+    out = run(args)
+    print("command: python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
+    print("config: " + " ".join(f"{k}={v}" for k, v in out.pop("config").items()))
+    monitor_overhead = out.pop("monitor_overhead")
+    for name, value in out.items():
+        print(f"{name}: {value:.4f}" if isinstance(value, float) else f"{name}: {value}")
+    print(f"monitor_overhead: {monitor_overhead:.4f}")
+
+
+if __name__ == "__main__":
+    main()
