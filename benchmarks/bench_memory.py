@@ -1,0 +1,140 @@
+"""Peak memory per rank during training: ours vs torch.distributed.pipelining, and vs the 1F1B bound.
+
+Same model, batch, microbatches and 2 processes as ``bench_vs_torch.py`` (whose model and
+implementation wrappers this reuses). Each implementation runs in its own fresh processes, so
+neither inherits the other's heap. On every rank, after one warm-up step, the kernel's peak
+resident-set counter is reset (``/proc/self/clear_refs``) and ``--steps`` steps run; the figure
+is ``VmHWM - VmRSS`` at the reset: the most memory the steps added on top of what was resident.
+The processes run with ``MALLOC_MMAP_THRESHOLD_=65536`` so every tensor of 64 KiB or more is its
+own mapping, returned to the kernel when freed: resident memory then follows live tensors instead
+of the allocator's cached heap.
+
+What the figure includes: saved activations, the received and sent stage tensors, and transient
+temporaries of forward/backward; not parameters, optimizer state or gradients (resident from the
+warm-up step when the counter is reset).
+
+The 1F1B bound: rank ``r`` holds at most ``min(pp - r, m)`` microbatches of its stage's saved
+activations. One microbatch's saved activations are counted exactly with
+``torch.autograd.graph.saved_tensors_hooks`` (distinct storages) on a single-process forward of
+the stage's layers.
+
+    python benchmarks/bench_memory.py
+    python benchmarks/bench_memory.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_vs_torch as peer  # noqa: E402
+from common import launch  # noqa: E402
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _measure(rank: int, world: int, cfg: dict, impl_name: str) -> dict:
+    import torch
+
+    from lightning_pp.runtime import build_topology
+
+    topology = build_topology(world)
+    ours = peer._Ours(cfg, "1f1b", topology)
+    impl = ours if impl_name == "ours" else peer._Torch(cfg, "1f1b", ours.layout, rank)
+    if impl is not ours:
+        del ours
+    g = torch.Generator().manual_seed(cfg["seed"])
+    batch = (torch.randn(cfg["batch"], cfg["hidden"], generator=g), torch.randn(cfg["batch"], cfg["hidden"], generator=g))
+    impl.step(batch)  # warm-up: optimizer state, buffers
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_kb("VmRSS")
+    for _ in range(cfg["steps"]):
+        impl.step(batch)
+    return {"peak_added_mb": (_status_kb("VmHWM") - base) / 1024}
+
+
+def _activation_bound(cfg: dict, world: int) -> list[float]:
+    """Per rank: min(pp - r, m) x one microbatch's saved activations of that rank's stage (MB)."""
+    import torch
+
+    from lightning_pp.runtime import resolve_layout
+
+    model = peer._make_model(cfg)
+    layers = model.pipeline_layers()
+    layout = resolve_layout(None, len(layers), world)
+    mb = cfg["batch"] // cfg["microbatches"]
+    x = torch.randn(mb, cfg["hidden"])
+    bounds, start = [], 0
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for rank, count in enumerate(layout):
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights:  # weights saved for backward are not activations
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h = x.requires_grad_(rank > 0)
+            for layer in layers[start:start + count]:
+                h = layer(h)
+        x = h.detach()
+        start += count
+        bounds.append(min(world - rank, cfg["microbatches"]) * sum(seen.values()) / 2**20)
+    return bounds
+
+
+def run(args: Any = None) -> dict:
+    args = args or parse_args([])
+    cfg = dict(peer.DEFAULTS, hidden=args.hidden, batch=args.batch, microbatches=args.microbatches,
+               steps=2 if args.quick else args.steps)
+    world = peer.WORLD_SIZE
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
+    measured = {name: [r["peak_added_mb"] for r in launch(_measure, world, cfg, name, timeout=600)]
+                for name in ("ours", "torch")}
+    bound = _activation_bound(cfg, world)
+    return {
+        "config": {k: cfg[k] for k in ("hidden", "blocks", "batch", "microbatches", "steps")},
+        "peak_added_mb": measured,
+        "bound_1f1b_mb": bound,
+        "peak_memory_ratio_vs_torch": max(measured["ours"]) / max(measured["torch"]),
+        "peak_memory_over_1f1b_bound": max(o / b for o, b in zip(measured["ours"], bound)),
+    }
+
+
+def format_report(res: dict) -> str:
+    c = res["config"]
+    lines = [f"1F1B, 2 ranks, hidden {c['hidden']}, {c['blocks']} blocks, batch {c['batch']}, {c['microbatches']} microbatches",
+             f"{'rank':>6}{'ours MB':>12}{'torch MB':>12}{'1F1B bound MB':>16}"]
+    for r, (o, t, b) in enumerate(zip(res["peak_added_mb"]["ours"], res["peak_added_mb"]["torch"], res["bound_1f1b_mb"])):
+        lines.append(f"{r:>6}{o:12.1f}{t:12.1f}{b:16.1f}")
+    lines += [f"peak_memory_ratio_vs_torch: {res['peak_memory_ratio_vs_torch']:.3f}",
+              f"peak_memory_over_1f1b_bound: {res['peak_memory_over_1f1b_bound']:.3f}"]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--quick", action="store_true")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    print(format_report(run(parse_args())))
