@@ -106,6 +106,32 @@ def test_analysis_of_hand_made_spans():
     assert lists.alignment == "none" and lists.bubble_fraction == pytest.approx(0.25)
 
 
+@pytest.mark.parametrize("schedule,pp,vp,microbatches", [
+    ("1f1b", 2, 1, 4), ("gpipe", 3, 1, 5), ("interleaved", 2, 2, 4), ("combined_1f1b", 2, 2, 6), ("combined_1f1b", 3, 1, 5),
+])
+def test_a_step_that_runs_exactly_as_simulated_measures_as_simulated(schedule, pp, vp, microbatches):
+    """Spans taken from the simulator (F 1.5, B 2.5 units, as seconds) are a step that ran exactly
+    to plan: the measured bubble must equal the simulator's, per rank and overall, and the trace
+    must name every action (combined ones with both halves) as the plan does."""
+    cfg = make_config(schedule, pp, vp, microbatches)
+    plan = simulate(cfg, CostModel(forward=1.5, backward=2.5))
+    spans = [[Span(action.kind, action.microbatch, action.chunk, start, end)
+              for _, action, start, end in plan.rank_events(rank)] for rank in range(pp)]
+    stats = analyze(spans, cfg)
+    assert stats.bubble_fraction == pytest.approx(plan.bubble_fraction)
+    assert stats.rank_bubble == pytest.approx(plan.rank_bubble)
+    assert stats.ideal_bubble == pytest.approx(plan.bubble_fraction)
+    assert stats.step_time == pytest.approx(plan.pipeline_makespan)
+    events = [e for e in merged_trace(spans, cfg)["traceEvents"] if e["ph"] == "X"]
+    for rank in range(pp):
+        planned = [(e["name"], e["ts"], e["dur"]) for e in events if e["pid"] == rank and e["args"]["track"] == "planned"]
+        measured = [(e["name"], e["ts"], e["dur"]) for e in events if e["pid"] == rank and e["args"]["track"] == "measured"]
+        assert [n for n, _, _ in measured] == [a.describe() for _, a, _, _ in plan.rank_events(rank)]
+        assert [n for n, _, _ in measured] == [n for n, _, _ in planned]
+        for (_, ts_m, dur_m), (_, ts_p, dur_p) in zip(measured, planned):
+            assert ts_m == pytest.approx(ts_p) and dur_m == pytest.approx(dur_p)
+
+
 def test_busy_time_excludes_only_waits_inside_each_action():
     spans = [Span("F", 0, 0, 0.0, 2.0), Span("recv_wait", 0, 0, 1.5, 3.0), Span("B", 0, 0, 2.5, 4.0),
              Span("recv_wait", 0, 0, 5.0, 6.0)]
