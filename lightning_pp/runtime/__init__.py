@@ -6,15 +6,21 @@ Knows torch and torch.distributed, never Lightning.
 from __future__ import annotations
 
 import datetime
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from lightning_pp.runtime.executor import DEFAULT_TIMEOUT, PipelineExecutor, StepResult, normalise_loss
-from lightning_pp.runtime.failure import FailureBoard, PipelineError
+from lightning_pp.runtime.failure import (
+    WATCHDOG_EXIT_CODE,
+    FailureBoard,
+    PipelineCommError,
+    PipelineError,
+    WatchdogConfig,
+)
 from lightning_pp.runtime.microbatch import split_microbatches
-from lightning_pp.runtime.p2p import PipelineCommError
+from lightning_pp.runtime.p2p import StageBoundaryError
 from lightning_pp.runtime.partition import (
     Layout,
     NotOnThisStage,
@@ -41,10 +47,18 @@ def build_pipeline(
     device: torch.device = torch.device("cpu"),
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     topology: Optional[Topology] = None,
+    watchdog: Union[bool, WatchdogConfig] = True,
 ) -> PipelineExecutor:
     """Validate the configuration, build the groups, cut ``module`` in place and return the
-    executor for this rank. Every check that can fail does so before any group is created."""
+    executor for this rank. Every check that can fail does so before any group is created.
+
+    ``timeout`` bounds every wait of a step (a peer that makes no progress for that long is named
+    as stuck); ``watchdog`` configures (or, with
+    ``False``, disables) the thread that publishes this rank's position and ends it if it stays
+    blocked after a peer failed (see :mod:`lightning_pp.runtime.failure`)."""
     check_protocol(module)
+    if isinstance(watchdog, bool):
+        watchdog = WatchdogConfig(enabled=watchdog)
     config = make_config(schedule, pipeline_parallel_size, virtual_pipeline_size, num_microbatches, microbatch_group_size)
     if topology is None:
         ParallelDims(torch.distributed.get_world_size(), pipeline_parallel_size, expert_parallel_size).check()
@@ -53,7 +67,8 @@ def build_pipeline(
     partition = cut_model(module, config.pp, config.vp, topology.pp_rank, layout)
     setup_expert_parallel(partition, topology, device)
     module.to(device)
-    return PipelineExecutor(module, partition, topology, config, device=device, timeout=timeout)
+    return PipelineExecutor(module, partition, topology, config, device=device, timeout=timeout,
+                            watchdog=watchdog)
 
 
 def setup_expert_parallel(partition: Partition, topology: Topology, device: torch.device) -> None:
@@ -77,9 +92,12 @@ __all__ = [
     "PipelineCommError",
     "PipelineError",
     "PipelineExecutor",
+    "StageBoundaryError",
     "StageChunk",
     "StepResult",
     "Topology",
+    "WATCHDOG_EXIT_CODE",
+    "WatchdogConfig",
     "build_pipeline",
     "build_topology",
     "check_protocol",

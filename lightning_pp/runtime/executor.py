@@ -11,6 +11,10 @@ One training step:
 4. the loss sum and sample count are all-reduced, which gives every rank the batch loss and the
    normaliser, and the gradients are divided by the global count.
 
+Failures (see :mod:`lightning_pp.runtime.failure`): every wait, point-to-point or collective, has
+the pipeline timeout; the rank that fails records itself on the job's failure board, and a rank
+whose peer vanished or stalled names that peer from its published position.
+
 Loss normalisation: a ``pipeline_loss`` that returns a mean is weighted by its microbatch's sample
 count; one that returns ``(loss_sum, count)`` is divided by the global count over all
 microbatches and data-parallel ranks. Either way the gradients equal those of the whole batch on
@@ -20,6 +24,7 @@ one device.
 from __future__ import annotations
 
 import datetime
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -28,11 +33,21 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pp.runtime.context import microbatch_context
-from lightning_pp.runtime.failure import FailureBoard, PipelineError, add_note
+from lightning_pp.runtime.failure import (
+    Diagnosis,
+    FailureBoard,
+    PipelineCommError,
+    PipelineError,
+    Position,
+    WatchdogConfig,
+    add_note,
+    classify,
+    watchdog_for,
+)
 from lightning_pp.runtime.grads import GradientSync
 from lightning_pp.runtime.nodes import ChunkSchedulePlan, StreamSet
 from lightning_pp.runtime.microbatch import batch_size, split_microbatches
-from lightning_pp.runtime.p2p import PipelineCommError, PointToPoint
+from lightning_pp.runtime.p2p import PointToPoint
 from lightning_pp.runtime.partition import Partition, default_pipeline_inputs
 from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
@@ -116,7 +131,9 @@ class PipelineExecutor:
         board: Optional[FailureBoard] = None,
         broadcast_parameters: bool = True,
         record_timeline: bool = True,
+        watchdog: WatchdogConfig = WatchdogConfig(),
     ) -> None:
+        self.timeout = timeout
         self.module = module
         self.partition = partition
         self.topology = topology
@@ -141,13 +158,19 @@ class PipelineExecutor:
         # Combined 1F1B runs chunks node by node (see runtime/nodes.py) so FB actions can overlap.
         self._use_plans = config.schedule == "combined_1f1b"
         self.streams = StreamSet(device)
+        self.position = Position()
         self.p2p = PointToPoint(topology.pp_group, topology.global_rank, device, timeout, topology.describe,
-                                timeline=self.timeline)
+                                timeline=self.timeline, position=self.position)
         self.grad_sync = GradientSync(partition, topology, self.actions)
         if broadcast_parameters:
             self.grad_sync.broadcast_parameters()
-        self._current: Optional[Action] = None
         self.steps_done = 0
+        self.diagnosis = Diagnosis(self.board, topology.dims.world_size, topology.describe, watchdog,
+                                   timeout.total_seconds())
+        self._ref = weakref.ref(self)
+        self.watchdog = watchdog_for(self.board, topology.rank, topology.dims.world_size, watchdog)
+        if self.watchdog is not None:
+            self.watchdog.watch(self)
         self._step_hooks = [
             sub.pipeline_step_end
             for chunk in partition.chunks for layer in chunk.layers for sub in layer.modules()
@@ -179,6 +202,8 @@ class PipelineExecutor:
     def close(self) -> None:
         """Release per-layer resources (staging buffers) on every rank; call at teardown, before
         the process groups are destroyed (symmetric buffers are released collectively)."""
+        if self.watchdog is not None:
+            self.watchdog.release(self)
         for chunk in self.partition.chunks:
             for layer in chunk.layers:
                 for sub in layer.modules():
@@ -192,15 +217,34 @@ class PipelineExecutor:
 
     # -- machinery ----------------------------------------------------------------------------
     def _guarded(self, fn):
+        position = self.position
+        position.step, position.in_step = self.steps_done, True
         try:
+            if self.watchdog is not None:
+                self.watchdog.activate(self._ref)
+                if self.watchdog.failure is not None:  # a peer already failed: do not start a doomed step
+                    self._refuse_step()
             return fn()
         except BaseException as exc:
             self._on_failure(exc)
             raise
+        finally:
+            position.in_step, position.action, position.waiting = False, None, None
 
-    def _where(self) -> str:
-        action = self._current
+    def _refuse_step(self) -> None:
+        origin = self.watchdog.known_failure()
+        if origin is not None:
+            self.watchdog.acknowledge(origin)
+            raise PipelineError(f"{origin}\n  -> {self.where()} did not start step {self.steps_done}: "
+                                f"the pipeline has already failed.")
+
+    def where(self) -> str:
+        """This rank and the action it is running, for error messages and published positions."""
+        position = self.position
+        action = position.action
         if action is None:
+            if position.in_step:
+                return f"{self.topology.describe()} at the end of step {position.step}"
             return f"{self.topology.describe()} outside the schedule"
         detail = action.describe()
         part = action.forward_part() or action.backward_part()
@@ -210,21 +254,54 @@ class PipelineExecutor:
             f"virtual stage {stage})"
         )
 
+    _where = where
+
     def _on_failure(self, exc: BaseException) -> None:
-        where = self._where()
+        where = self.where()
         self.p2p.reset()
         self.grad_sync.abandon()
-        if isinstance(exc, PipelineCommError):
-            origin = self.board.read(wait_seconds=5.0)
-            if origin is not None:
-                raise PipelineError(f"{origin}\n  -> seen by {where}: {exc}") from exc
-        self.board.report(f"{where} failed: {type(exc).__name__}: {exc}")
+        watchdog = self.watchdog
+        if isinstance(exc, PipelineError):
+            return  # already names the origin (a refused step)
+        if isinstance(exc, PipelineCommError) and exc.reason in ("timeout", "closed"):
+            # Someone else's failure, most likely: a rank that raised recorded itself before its
+            # connections closed. If nobody did, name the peer that vanished or the rank that stalled.
+            origin = self.board.read(wait_seconds=0.2)
+            if origin is None:
+                self.board.report(self.diagnosis.explain(exc))
+                origin = self.board.read() or self.diagnosis.explain(exc)
+            if watchdog is not None:
+                watchdog.acknowledge(origin)
+            raise PipelineError(f"{origin}\n  -> seen by {where}: {exc}") from exc
+        message = f"{where} failed: {type(exc).__name__}: {exc}"
+        self.board.report(message)
+        if watchdog is not None:
+            watchdog.acknowledge(self.board.read() or message)
         add_note(exc, f"lightning_pp: the pipeline step failed on {where}.")
+
+    def _wait_collective(self, work, what: str) -> None:
+        """Wait for an in-step collective with the pipeline timeout, telling the watchdog."""
+        self.position.waiting = (None, what)
+        try:
+            ok = work.wait(timeout=self.timeout)
+        except Exception as exc:  # a member went away, or the timeout
+            reason = classify(exc)
+            raise PipelineCommError(
+                f"{self.topology.describe()}: {what} "
+                + (f"timed out after {self.timeout.total_seconds():g}s" if reason == "timeout" else f"failed: {exc}"),
+                peer=None, reason=reason,
+            ) from exc
+        finally:
+            self.position.waiting = None
+        if ok is False:
+            raise PipelineCommError(f"{self.topology.describe()}: {what} timed out after "
+                                    f"{self.timeout.total_seconds():g}s", peer=None, reason="timeout")
 
     def _step(self, batch: Any, train: bool, compute_loss: bool = True, collect: bool = False,
               grad_scale: float = 1.0) -> StepResult:
         cfg = self.config
         microbatches = split_microbatches(batch, cfg.microbatches)
+        self.p2p.begin_step()
         for src, order in self.expected[not train].items():
             self.p2p.expect(src, order)
         self._batches = microbatches
@@ -237,8 +314,9 @@ class PipelineExecutor:
         actions = self.actions if train else self.eval_actions
         timeline = self.timeline
         timeline.begin_step()
+        position = self.position
         for index, action in enumerate(actions):
-            self._current = action
+            position.action = action
             with timeline.span(action.kind, action.microbatch, action.chunk, device_side=True):
                 fwd, bwd = action.forward_part(), action.backward_part()
                 if fwd is not None and bwd is not None:
@@ -249,13 +327,15 @@ class PipelineExecutor:
                     self._backward(*bwd)
             if train:
                 self.grad_sync.after_action(index)
-        self._current = None
+        position.action = None
         self.p2p.finish()
         loss, count = None, 0.0
         if train or compute_loss:
             totals = torch.stack([self._loss_sum, self._count])
-            dist.all_reduce(totals)  # only last-stage ranks contribute; every rank gets the totals
-            count = float(totals[1])
+            # Only last-stage ranks contribute the loss; every rank gets the totals and the flags.
+            self._wait_collective(dist.all_reduce(totals, async_op=True), "the all-reduce of the step's loss")
+            values = totals.tolist()
+            count = values[1]
             if count <= 0:
                 raise ValueError(
                     f"the global loss count is {count}: pipeline_loss must return a positive count "
@@ -263,7 +343,8 @@ class PipelineExecutor:
                 )
             loss = totals[0] / totals[1]
         if train:
-            self.grad_sync.finish(scale=grad_scale / count)
+            self.grad_sync.finish(scale=grad_scale / count,
+                                  wait=lambda work, what: self._wait_collective(work, what))
         timeline.end_step()
         outputs, self._outputs, self._saved, self._batches = self._outputs, [], {}, None
         return StepResult(loss=loss, num_samples=count, outputs=outputs)

@@ -1,67 +1,486 @@
-"""Making one rank's failure every rank's clear error.
+"""Making one rank's failure every rank's clear error, in bounded time.
 
-The failing rank writes a description of itself (rank, pp/dp/ep coordinates, action,
-microbatch, the error) to the job's key-value store before it raises. Peers blocked on it then
-fail in their own communication (a closed connection or a timeout) and look the description up,
-so every rank's error names the rank that actually failed, not just its neighbour.
+Three mechanisms, all through the job's key-value store (the ``TCPStore`` every
+``torch.distributed`` job already has), none adding a collective to the step:
+
+* **The failure board.** A rank whose step fails writes one line describing itself (rank,
+  pp/dp/ep coordinates, action, microbatch, virtual stage, the error) before it raises; the first
+  writer wins. Peers then fail in their own communication (a closed connection or a timeout) and
+  read the line, so every rank's error names the rank that failed first, not its neighbour.
+* **Published positions.** A rank that is SIGKILLed, or stuck, writes nothing. So every rank's
+  watchdog thread publishes where the rank is (in a step or not, which action, and whether it is
+  blocked waiting for a peer or in a collective) whenever that changes, at most every
+  ``position_interval`` seconds, plus a heartbeat every ``heartbeat_interval``. The main thread only
+  stores plain attributes (:class:`Position`); all I/O happens on the watchdog thread. A rank whose
+  connection to a peer closed without a board entry names that peer and its last published action;
+  a rank whose wait timed out follows the "waiting for" chain of published positions to the rank
+  that is not waiting (computing for too long, outside the step, or silent) and names that one.
+* **The watchdog's last resort.** A gloo wait cannot be interrupted from another thread (process
+  group ``abort``/``shutdown`` leave a blocked receive blocked), and a rank stuck in computation
+  never reaches a wait at all. So once a failure is on the board, a rank whose main thread has not
+  raised within ``exit_grace`` seconds is ended by its watchdog with ``os._exit`` (exit code
+  :data:`WATCHDOG_EXIT_CODE`), after printing the failure and the stacks of its threads to stderr.
+  A rank that did raise is never ended this way: its exception is the user's to handle.
+
+One watchdog thread serves a whole process (a process has one main thread, and a test or a
+notebook may build several pipelines in it); executors register with it and the most recently
+active one is the position it publishes.
 """
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
+import json
+import os
+import sys
+import threading
 import time
-from typing import Optional
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
 FAILURE_KEY = "lightning_pp/failure"
-
-
-class FailureBoard:
-    """First-writer-wins failure record in the default process group's store."""
-
-    def __init__(self, store=None) -> None:
-        if store is None and dist.is_available() and dist.is_initialized():
-            try:
-                store = dist.distributed_c10d._get_default_store()
-            except Exception:  # a process group without a store (rare): degrade to local errors
-                store = None
-        self.store = store
-
-    def report(self, message: str) -> None:
-        if self.store is None:
-            return
-        try:
-            self.store.compare_set(FAILURE_KEY, "", message)
-        except Exception:
-            pass  # the store's host may be the rank that died; the local error still stands
-
-    def read(self, wait_seconds: float = 0.0) -> Optional[str]:
-        """The recorded failure, polling up to ``wait_seconds`` for it to appear."""
-        if self.store is None:
-            return None
-        deadline = time.monotonic() + wait_seconds
-        while True:
-            try:
-                if self.store.check([FAILURE_KEY]):
-                    return self.store.get(FAILURE_KEY).decode()
-            except Exception:
-                return None
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
-
-    def clear(self) -> None:
-        if self.store is not None:
-            try:
-                self.store.delete_key(FAILURE_KEY)
-            except Exception:
-                pass
+POSITION_KEY = "lightning_pp/position/{rank}"
+WATCHDOG_EXIT_CODE = 70  # EX_SOFTWARE: the watchdog ended a rank that could not raise
 
 
 class PipelineError(RuntimeError):
     """A pipelined step failed; the message names the rank that failed first."""
 
 
+class PipelineCommError(RuntimeError):
+    """A stage-boundary transfer or an in-step collective failed or timed out.
+
+    ``peer`` is the global rank on the other end (``None`` for a collective); ``reason`` is
+    ``"timeout"``, ``"closed"`` (the connection went away: the peer's process ended) or ``"error"``.
+    """
+
+    def __init__(self, message: str, peer: Optional[int] = None, reason: str = "error") -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.reason = reason
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or the gradients of a step were not finite, and ``nonfinite="raise"``. Raised on
+    every rank at the same step (the decision is collective)."""
+
+
+def classify(exc: BaseException) -> str:
+    """``"timeout"`` or ``"closed"`` from a backend's exception text."""
+    text = str(exc).lower()
+    return "timeout" if "timed out" in text or "timeout" in text else "closed"
+
+
 def add_note(exc: BaseException, note: str) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(note)
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """Settings of the per-process watchdog thread.
+
+    Args:
+        enabled: run the thread (positions, heartbeats, failure polling and the last-resort exit).
+            Without it a killed or stuck rank is named only as "the peer on the other end".
+        heartbeat_interval: seconds between heartbeats and between polls of the failure board.
+        position_interval: a changed position is published at most this often (seconds).
+        exit_grace: once a failure is on the board, how long this rank's main thread may stay
+            blocked (or stuck) before the watchdog ends the process.
+    """
+
+    enabled: bool = True
+    heartbeat_interval: float = 1.0
+    position_interval: float = 0.1
+    exit_grace: float = 10.0
+
+    @property
+    def silence_limit(self) -> float:
+        """A rank whose last heartbeat is older than this is considered frozen or gone."""
+        return 3 * self.heartbeat_interval + 2.0
+
+
+def _default_store():
+    if dist.is_available() and dist.is_initialized():
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception:  # a process group without a store (rare): degrade to local errors
+            return None
+    return None
+
+
+class FailureBoard:
+    """First-writer-wins failure record and per-rank positions in the job's store.
+
+    Every method swallows store errors (the store's host may be the rank that died) and reports
+    them through :attr:`unreachable`.
+    """
+
+    def __init__(self, store=None) -> None:
+        self.store = store if store is not None else _default_store()
+        self.unreachable: Optional[str] = None  # the last store error, if the store went away
+
+    def _call(self, fn, default=None):
+        if self.store is None or self.unreachable:
+            return default  # once the store is gone, stay quiet (each failed call logs a C++ trace)
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - any store failure means "unknown"
+            self.unreachable = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return default
+
+    def report(self, message: str) -> None:
+        self._call(lambda: self.store.compare_set(FAILURE_KEY, "", message))
+
+    def read(self, wait_seconds: float = 0.0) -> Optional[str]:
+        """The recorded failure, polling up to ``wait_seconds`` for it to appear."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            if self._call(lambda: self.store.check([FAILURE_KEY]), False):
+                value = self._call(lambda: self.store.get(FAILURE_KEY).decode())
+                if value:
+                    return value
+            if time.monotonic() >= deadline or self.store is None or self.unreachable:
+                return None
+            time.sleep(0.05)
+
+    def clear(self) -> None:
+        self._call(lambda: self.store.delete_key(FAILURE_KEY))
+
+    def publish(self, rank: int, position: dict) -> None:
+        self._call(lambda: self.store.set(POSITION_KEY.format(rank=rank), json.dumps(position)))
+
+    def position(self, rank: int) -> Optional[dict]:
+        key = POSITION_KEY.format(rank=rank)
+        if not self._call(lambda: self.store.check([key]), False):
+            return None
+        raw = self._call(lambda: self.store.get(key))
+        return json.loads(raw) if raw else None
+
+
+class Position:
+    """Where this rank's pipeline is. The main thread writes these plain attributes (no lock, no
+    I/O: a few attribute stores per action); the watchdog thread reads them."""
+
+    __slots__ = ("step", "in_step", "action", "waiting")
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.in_step = False
+        self.action = None  # the schedule Action being run, or None
+        self.waiting: Optional[tuple[Optional[int], str]] = None  # (peer global rank or None, what)
+
+    def snapshot(self) -> tuple:
+        return self.step, self.in_step, self.action, self.waiting
+
+
+STORE_GONE = (
+    "the job's key-value store is unreachable. It lives in rank 0's process (or torchrun's agent), so rank 0 "
+    "(pp=0) has most likely died, e.g. killed by a signal or the out-of-memory killer; no rank could record "
+    "which action it was running."
+)
+
+
+class Watchdog:
+    """The per-process thread described in the module docstring. Get it with :func:`watchdog_for`."""
+
+    def __init__(self, board: FailureBoard, rank: int, world_size: int, config: WatchdogConfig) -> None:
+        self.board = board
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        self.failure: Optional[str] = None  # what the thread last saw on the board
+        self._failure_seen_at = 0.0
+        self._acknowledged: set[str] = set()
+        self._executors: "weakref.WeakSet" = weakref.WeakSet()
+        self._active: Optional[weakref.ref] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lightning_pp-watchdog", daemon=True)
+        self._thread.start()
+        atexit.register(self._at_exit)
+
+    @property
+    def running(self) -> bool:
+        return not self._stop.is_set()
+
+    # -- called by executors (main thread) ------------------------------------------------------
+    def watch(self, executor) -> None:
+        self._executors.add(executor)
+        self._active = weakref.ref(executor)
+
+    def activate(self, executor_ref: weakref.ref) -> None:
+        self._active = executor_ref
+
+    def release(self, executor) -> None:
+        """``executor`` is closed; with none left the thread stops and tells the store this rank left."""
+        self._executors.discard(executor)
+        if not len(self._executors):
+            self.leave()
+
+    def acknowledge(self, failure: Optional[str]) -> None:
+        """The main thread has raised for ``failure``: the watchdog will not end this process for it."""
+        if failure is not None:
+            self._acknowledged.add(failure)
+        if self.board.unreachable:
+            self._acknowledged.add(STORE_GONE)
+
+    def known_failure(self) -> Optional[str]:
+        """The failure on the board, if the thread has seen one (re-read, so a board cleared since
+        is not reported)."""
+        if self.failure is None:
+            return None
+        current = self.board.read()
+        return STORE_GONE if current is None and self.board.unreachable else current
+
+    def leave(self) -> None:
+        """Stop the thread (waiting for a store call in flight) and mark this rank as gone."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)
+        self.board.publish(self.rank, {"where": f"rank {self.rank}", "state": "left", "beat": time.time(),
+                                       "since": time.time(), "step": -1, "peer": None, "what": None})
+
+    def _at_exit(self) -> None:
+        # A daemon thread caught by interpreter shutdown inside a C++ store call aborts the process:
+        # stop it first. The rank that hosts the store then waits (bounded) for the others to leave,
+        # so a failure it recorded stays readable while they are still looking it up.
+        self.leave()
+        if self.rank == 0 and _hosts_store(self.board.store):
+            # Past the others' own exit deadline, so a stuck rank's watchdog still reads the board.
+            deadline = time.monotonic() + self.config.exit_grace + 2 * self.config.heartbeat_interval + 1.0
+            waiting = set(range(1, self.world_size))
+            while waiting and time.monotonic() < deadline and not self.board.unreachable:
+                for rank in list(waiting):
+                    beat = self.board.position(rank)
+                    silent = beat is not None and time.time() - float(beat.get("beat", 0)) > self.config.silence_limit
+                    if beat is None or beat.get("state") == "left" or silent:
+                        waiting.discard(rank)
+                if waiting:
+                    time.sleep(0.1)
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        last_published, last_beat, last_poll = None, 0.0, 0.0
+        since = time.time()
+        while not self._stop.wait(self.config.position_interval):
+            now = time.time()
+            executor = self._active() if self._active is not None else None
+            if executor is not None:
+                snapshot = executor.position.snapshot()
+                if snapshot != last_published:
+                    since = now
+                if snapshot != last_published or now - last_beat >= self.config.heartbeat_interval:
+                    self.board.publish(self.rank, self._describe(executor, since, now))
+                    last_published, last_beat = snapshot, now
+            if now - last_poll >= self.config.heartbeat_interval:
+                last_poll = now
+                self._poll_board(now, executor)
+
+    def _describe(self, executor, since: float, now: float) -> dict:
+        position = executor.position
+        waiting = position.waiting
+        if not position.in_step:
+            state = "idle"
+        elif waiting is not None:
+            state = "wait"
+        else:
+            state = "compute"
+        return {
+            "where": executor.where(),
+            "state": state,
+            "peer": waiting[0] if waiting else None,
+            "what": waiting[1] if waiting else None,
+            "step": position.step,
+            "since": since,
+            "beat": now,
+            "pid": os.getpid(),
+        }
+
+    def _poll_board(self, now: float, executor) -> None:
+        failure = self.board.read()
+        if failure is None and self.board.unreachable:
+            if self.failure is not None:
+                failure = self.failure  # keep counting down on the failure already seen
+            elif executor is not None and executor.position.in_step:
+                failure = STORE_GONE  # the store's host died in the middle of a step
+            else:
+                self._stop.set()  # the store's host has gone between steps: the job is over
+                return
+        if failure is None:
+            self.failure = None
+            return
+        if failure != self.failure:
+            self.failure, self._failure_seen_at = failure, now
+        if failure in self._acknowledged or not len(self._executors):
+            return
+        if now - self._failure_seen_at >= self.config.exit_grace:
+            self._exit(failure, executor)
+
+    def _exit(self, failure: str, executor) -> None:
+        where = executor.where() if executor is not None else f"rank {self.rank}"
+        try:
+            sys.stderr.write(
+                f"lightning_pp watchdog: {failure}\n  -> {where} has not stopped {self.config.exit_grace:g}s "
+                f"after this failure was recorded: it is blocked in communication or stuck in computation, "
+                f"which Python cannot interrupt. Ending the process (exit code {WATCHDOG_EXIT_CODE}). "
+                f"Its threads' stacks follow.\n"
+            )
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        finally:
+            os._exit(WATCHDOG_EXIT_CODE)
+
+
+def _hosts_store(store) -> bool:
+    """Whether this process (rank 0) serves the job's TCPStore, as under Lightning's launchers and
+    ``init_process_group`` with ``env://`` (torchrun's agent serves it itself)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return False
+    try:
+        inner = store._underlying_non_prefix_store if hasattr(store, "_underlying_non_prefix_store") else store
+    except Exception:
+        return False
+    return type(inner).__name__ == "TCPStore"
+
+
+_process_watchdog: Optional[Watchdog] = None
+_process_watchdog_lock = threading.Lock()
+
+
+def watchdog_for(board: FailureBoard, rank: int, world_size: int, config: WatchdogConfig) -> Optional[Watchdog]:
+    """This process's watchdog for ``board``'s store (started on first use; restarted if it stopped
+    or the job's store changed, e.g. after a new ``init_process_group``). ``None`` when disabled
+    or without a store."""
+    global _process_watchdog
+    if not config.enabled or board.store is None:
+        return None
+    with _process_watchdog_lock:
+        current = _process_watchdog
+        if current is not None and current.running and current.board.store is board.store and current.rank == rank:
+            current.config = config
+            return current
+        if current is not None:
+            current.leave()
+        _process_watchdog = Watchdog(board, rank, world_size, config)
+        return _process_watchdog
+
+
+class Diagnosis:
+    """Names the rank to blame when a wait failed and nobody has reported a failure yet."""
+
+    def __init__(self, board: FailureBoard, world_size: int, describe: Callable[[int], str],
+                 config: WatchdogConfig, timeout_seconds: float) -> None:
+        self.board = board
+        self.world_size = world_size
+        self.describe = describe
+        self.config = config
+        self.timeout_seconds = timeout_seconds
+
+    def explain(self, exc: PipelineCommError) -> str:
+        if exc.reason == "closed" and exc.peer is not None:
+            return self._went_away(exc.peer)
+        if exc.reason == "closed":
+            # A collective lost a member; which one is unknown. Its heartbeat stops: wait for that.
+            deadline = time.monotonic() + self.config.silence_limit + 1.0
+            while time.monotonic() < deadline and not self.board.unreachable:
+                origin = self.board.read()
+                if origin is not None:
+                    return origin
+                for rank in range(self.world_size):
+                    beat = self.board.position(rank)
+                    if beat is not None and self._silent_for(beat) > self.config.silence_limit:
+                        return self._went_away(rank)
+                time.sleep(self.config.heartbeat_interval / 2)
+            if self.board.unreachable:
+                return self._store_gone(None)
+            return f"a member of a collective went away (which one is unknown: no rank stopped its heartbeat)"
+        return self._stalled(exc.peer)
+
+    # -- the cases ----------------------------------------------------------------------------
+    def _store_gone(self, peer: Optional[int]) -> str:
+        who = f"{self.describe(peer)} went away, and " if peer is not None else ""
+        return f"{who}{STORE_GONE} ({self.board.unreachable})"
+
+    def _went_away(self, peer: int) -> str:
+        beat = self.board.position(peer)
+        if self.board.unreachable:
+            return self._store_gone(peer)
+        if beat is None:
+            where = f"{self.describe(peer)} (position never published)"
+        else:
+            where = beat["where"] + ("" if beat["state"] != "wait" else f" while waiting ({beat['what']})")
+        return (
+            f"{where} went away without reporting an error: its process was killed (e.g. SIGKILL or the "
+            f"out-of-memory killer) or exited outside the pipeline step"
+        )
+
+    def _silent_for(self, beat: dict) -> float:
+        return time.time() - float(beat.get("beat", 0.0))
+
+    def _stalled(self, start: Optional[int]) -> str:
+        """Follow the published "waiting for" chain from ``start`` (``None``: a collective, so any
+        rank may be the one) to a rank that is not waiting, and describe why it is to blame."""
+        visited: list[int] = []
+        rank = start
+        while True:
+            if rank is None:
+                return self._stalled_in_collective(visited)
+            if rank in visited or len(visited) > self.world_size:
+                chain = " -> ".join(str(r) for r in visited + [rank])
+                return (
+                    f"the pipeline is deadlocked: every rank is waiting for another (global ranks {chain}); "
+                    f"{self.describe(visited[0])} timed out first. This is a bug: please report it with the "
+                    f"schedule and sizes."
+                )
+            visited.append(rank)
+            beat = self.board.position(rank)
+            if self.board.unreachable:
+                return self._store_gone(rank)
+            verdict = self._verdict(rank, beat)
+            if verdict is not None:
+                return verdict
+            rank = beat["peer"]
+
+    def _stalled_in_collective(self, visited: list[int]) -> str:
+        for rank in range(self.world_size):
+            if rank in visited:
+                continue
+            beat = self.board.position(rank)
+            if self.board.unreachable:
+                return self._store_gone(None)
+            verdict = self._verdict(rank, beat)
+            if verdict is not None:
+                return verdict
+        return "every rank is waiting in a collective or for a peer, and none has been silent: cause unknown"
+
+    def _verdict(self, rank: int, beat: Optional[dict]) -> Optional[str]:
+        """Why ``rank`` is to blame, or ``None`` if it is itself waiting for someone."""
+        limit = f"pipeline_timeout={self.timeout_seconds:g}s"
+        if beat is None:
+            return f"{self.describe(rank)} never published its position: it has not built its pipeline ({limit})"
+        silent = self._silent_for(beat)
+        if silent > self.config.silence_limit:
+            return (
+                f"{beat['where']} has been silent for {silent:.1f}s (no heartbeat): its process is frozen "
+                f"or its host unreachable ({limit})"
+            )
+        for_seconds = time.time() - float(beat["since"])
+        if beat["state"] == "compute":
+            return (
+                f"{beat['where']} is stuck: it has been computing for {for_seconds:.1f}s without reaching its "
+                f"next transfer ({limit})"
+            )
+        if beat["state"] == "left":
+            return f"{beat['where']} has left the pipeline (closed it or exited) ({limit})"
+        if beat["state"] == "idle":
+            return (
+                f"{beat['where']} is stuck outside the pipeline step: {for_seconds:.1f}s after its step "
+                f"{beat['step']} it has not started the next one (e.g. blocked in user code) ({limit})"
+            )
+        return None

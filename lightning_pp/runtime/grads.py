@@ -116,12 +116,15 @@ class GradientSync:
                 bucket.flat = _flatten_dense_tensors(grads)
                 bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
-    def finish(self, scale: float) -> None:
-        """Wait for the data-parallel reductions, sum tied copies, and multiply by ``scale``."""
+    def finish(self, scale: float, wait=None) -> None:
+        """Wait for the data-parallel reductions, sum tied copies, and multiply by ``scale``.
+        ``wait(work, what)`` waits for one collective (the executor's, with its timeout); the
+        default waits without a limit."""
+        wait = wait or (lambda work, what: work.wait())
         for bucket in self.buckets:
             if bucket.work is None:  # a chunk with no backward on this rank's schedule
                 self.after_action(bucket.launch_after)
-            bucket.work.wait()
+            wait(bucket.work, "the data-parallel gradient all-reduce")
             grads = [p.grad for p in bucket.params]
             for g, reduced in zip(grads, _unflatten_dense_tensors(bucket.flat, grads)):
                 g.copy_(reduced)
@@ -129,7 +132,7 @@ class GradientSync:
         for p, group, _ in self.tied:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
+            wait(dist.all_reduce(p.grad, group=group, async_op=True), "the tied-parameter gradient all-reduce")
         if scale != 1.0:
             for p in self.params:
                 if p.grad is not None:

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_pp.runtime.failure import PipelineCommError, classify
 from lightning_pp.schedules.messages import Message
 
 HEADER_LEN = 64
@@ -40,8 +41,24 @@ _DTYPES = (
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
-class PipelineCommError(RuntimeError):
-    """A stage-boundary transfer failed or timed out."""
+class StageBoundaryError(ValueError):
+    """What crosses a stage boundary changed its dtype, number of dimensions or tensor count
+    between microbatches of one step."""
+
+
+def signature(tensors: Sequence[torch.Tensor], as_tuple: bool) -> tuple:
+    """What must stay the same for every microbatch of a step at one boundary (sizes may vary)."""
+    return as_tuple, tuple((t.dtype, t.dim()) for t in tensors)
+
+
+def _spec_signature(specs, as_tuple: bool) -> tuple:
+    return as_tuple, tuple((dtype, len(shape)) for dtype, _, shape in specs)
+
+
+def _render(sig: tuple) -> str:
+    as_tuple, items = sig
+    parts = ", ".join(f"{str(dtype).replace('torch.', '')} {ndim}-D" for dtype, ndim in items)
+    return f"({parts})" if as_tuple else parts
 
 
 def encode_header(tensors: Sequence[torch.Tensor], device: torch.device, as_tuple: bool = True) -> torch.Tensor:
@@ -85,7 +102,14 @@ class PointToPoint:
     """Asynchronous sends and ordered, timed receives between pipeline ranks.
 
     ``peer_rank`` maps a pipeline rank to the global rank of the same data-parallel slot.
-    ``describe`` names this rank in error messages.
+    ``describe`` names this rank in error messages. ``position`` (a
+    :class:`~lightning_pp.runtime.failure.Position`) is told whom this rank is waiting for, so
+    the watchdog can publish it.
+
+    Within one step every microbatch crossing a boundary must keep the dtypes, numbers of
+    dimensions and count of the first one (sizes may vary): both the sender and the receiver
+    check, so a change fails on both sides at once with the same explanation instead of as a
+    shape error in some later layer.
     """
 
     def __init__(
@@ -96,6 +120,7 @@ class PointToPoint:
         timeout: datetime.timedelta,
         describe,
         timeline=None,
+        position=None,
     ) -> None:
         self.group = group
         self.peer_rank = peer_rank
@@ -103,11 +128,33 @@ class PointToPoint:
         self.timeout = timeout
         self.describe = describe
         self.timeline = timeline
+        self.position = position
+        self.signatures: dict[tuple[str, int], tuple[int, tuple]] = {}  # (direction, stage) -> (mb, sig)
         self.channels: dict[int, _Channel] = {}
         self.pending_sends: list[tuple[object, tuple[torch.Tensor, ...], Message, int]] = []
         self.bytes_sent = 0
 
     # -- plan ---------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Forget the previous step's boundary signatures (shapes may change between steps)."""
+        self.signatures.clear()
+
+    def _check_signature(self, message: Message, sig: tuple, side: str) -> Optional[str]:
+        """The explanation if ``sig`` differs from the first microbatch of this step at this
+        boundary, else None (and the first one is recorded)."""
+        key = (message.direction, message.stage)
+        first = self.signatures.setdefault(key, (message.microbatch, sig))
+        if first[1] == sig:
+            return None
+        what = "activations into" if message.direction == "F" else "gradients into the output of"
+        return (
+            f"{self.describe()} {side} {what} virtual stage {message.stage}: microbatch {message.microbatch} "
+            f"carries {_render(sig)} but microbatch {first[0]} of this step carried {_render(first[1])}. "
+            f"A stage's outputs must keep their dtype and number of dimensions (and tensor count) across "
+            f"the microbatches of a step; only sizes may vary. Cast or reshape inside the layer so every "
+            f"microbatch returns the same kind of tensors."
+        )
+
     def expect(self, src: int, order: list[Message]) -> None:
         """Declare the messages pipeline rank ``src`` will send this step, in its send order."""
         channel = self.channels.setdefault(src, _Channel())
@@ -129,6 +176,7 @@ class PointToPoint:
     def send(self, dst: int, message: Message, tensors: Sequence[torch.Tensor], as_tuple: bool = True) -> None:
         """Send ``tensors`` to pipeline rank ``dst`` without waiting. The header records which
         tensors require grad, so the receiver makes those leaves that collect a gradient."""
+        mismatch = self._check_signature(message, signature(tensors, as_tuple), "sends")
         header = encode_header(tensors, self.device, as_tuple)
         payload = tuple(t.detach().contiguous() for t in tensors)
         peer = self.peer_rank(dst)
@@ -138,6 +186,9 @@ class PointToPoint:
             self.pending_sends.append((work, (header, *payload), message, dst))
         self.bytes_sent += sum(t.numel() * t.element_size() for t in payload)
         self._reap_sends()
+        if mismatch is not None:
+            # Sent anyway: the receiver sees the same change in the header and fails at once too.
+            raise StageBoundaryError(mismatch)
 
     def recv(self, src: int, message: Message) -> tuple[tuple[torch.Tensor, ...], bool]:
         """(tensors, sent as a tuple) of ``message`` from pipeline rank ``src``; blocks (with the timeout) until they
@@ -157,17 +208,28 @@ class PointToPoint:
 
     def _wait(self, work, what: str, peer: int, message: Optional[Message] = None) -> None:
         start = self.timeline.now() if self.timeline is not None and message is not None else None
+        global_peer = self.peer_rank(peer)
+        position = self.position
+        if position is not None:
+            position.waiting = (global_peer, what)
         try:
             ok = work.wait(timeout=self.timeout)
         except Exception as exc:  # gloo raises on timeout and on a peer that went away
+            reason = classify(exc)
+            detail = (f"timed out after {self.timeout.total_seconds():g}s" if reason == "timeout"
+                      else f"failed: {exc}")
             raise PipelineCommError(
-                f"{self.describe()}: {what} with pipeline rank {peer} (global rank "
-                f"{self.peer_rank(peer)}) failed: {exc}"
+                f"{self.describe()}: {what} with pipeline rank {peer} (global rank {global_peer}) {detail}",
+                peer=global_peer, reason=reason,
             ) from exc
+        finally:
+            if position is not None:
+                position.waiting = None
         if ok is False:
             raise PipelineCommError(
-                f"{self.describe()}: {what} with pipeline rank {peer} timed out after "
-                f"{self.timeout.total_seconds():.0f}s."
+                f"{self.describe()}: {what} with pipeline rank {peer} (global rank {global_peer}) timed out "
+                f"after {self.timeout.total_seconds():g}s.",
+                peer=global_peer, reason="timeout",
             )
         if start is not None:
             self.timeline.add("recv_wait", message.microbatch, message.stage, start, self.timeline.now())
@@ -176,6 +238,9 @@ class PointToPoint:
         self._wait(channel.header_work, f"receiving the header of {message.describe()}", src, message)
         specs, as_tuple = decode_header(channel.header)
         channel.header_work = None
+        mismatch = self._check_signature(message, _spec_signature(specs, as_tuple), "receives")
+        if mismatch is not None:
+            raise StageBoundaryError(mismatch)
         peer = self.peer_rank(src)
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs]
         works = [dist.irecv(t, src=peer, group=self.group) for t in tensors]
@@ -199,3 +264,4 @@ class PointToPoint:
         """Drop receive state after a failed step."""
         self.channels.clear()
         self.pending_sends = []
+        self.signatures.clear()
