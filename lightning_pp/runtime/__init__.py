@@ -11,10 +11,18 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from lightning_pp.runtime.executor import DEFAULT_TIMEOUT, PipelineExecutor, StepResult, normalise_loss
+from lightning_pp.runtime.executor import (
+    DEFAULT_TIMEOUT,
+    NONFINITE_POLICIES,
+    NonFinitePolicy,
+    PipelineExecutor,
+    StepResult,
+    normalise_loss,
+)
 from lightning_pp.runtime.failure import (
     WATCHDOG_EXIT_CODE,
     FailureBoard,
+    NonFiniteError,
     PipelineCommError,
     PipelineError,
     WatchdogConfig,
@@ -47,16 +55,20 @@ def build_pipeline(
     device: torch.device = torch.device("cpu"),
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     topology: Optional[Topology] = None,
+    nonfinite: NonFinitePolicy = "raise",
     watchdog: Union[bool, WatchdogConfig] = True,
 ) -> PipelineExecutor:
     """Validate the configuration, build the groups, cut ``module`` in place and return the
     executor for this rank. Every check that can fail does so before any group is created.
 
     ``timeout`` bounds every wait of a step (a peer that makes no progress for that long is named
-    as stuck); ``watchdog`` configures (or, with
+    as stuck); ``nonfinite`` is what a step with inf/nan loss or gradients does (``"raise"``,
+    ``"skip"`` or ``"ignore"``, decided alike on every rank); ``watchdog`` configures (or, with
     ``False``, disables) the thread that publishes this rank's position and ends it if it stays
     blocked after a peer failed (see :mod:`lightning_pp.runtime.failure`)."""
     check_protocol(module)
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite={nonfinite!r} is invalid: choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
     if isinstance(watchdog, bool):
         watchdog = WatchdogConfig(enabled=watchdog)
     config = make_config(schedule, pipeline_parallel_size, virtual_pipeline_size, num_microbatches, microbatch_group_size)
@@ -68,7 +80,7 @@ def build_pipeline(
     setup_expert_parallel(partition, topology, device)
     module.to(device)
     return PipelineExecutor(module, partition, topology, config, device=device, timeout=timeout,
-                            watchdog=watchdog)
+                            nonfinite=nonfinite, watchdog=watchdog)
 
 
 def setup_expert_parallel(partition: Partition, topology: Topology, device: torch.device) -> None:
@@ -86,6 +98,9 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "FailureBoard",
     "Layout",
+    "NONFINITE_POLICIES",
+    "NonFiniteError",
+    "NonFinitePolicy",
     "NotOnThisStage",
     "ParallelDims",
     "Partition",

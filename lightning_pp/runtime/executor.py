@@ -9,7 +9,9 @@ One training step:
    receives the output gradient, runs autograd through the chunk and sends the input gradient back;
 3. data-parallel reductions are launched as each chunk finishes its backward;
 4. the loss sum and sample count are all-reduced, which gives every rank the batch loss and the
-   normaliser, and the gradients are divided by the global count.
+   normaliser, and the gradients are divided by the global count. The same all-reduce carries one
+   flag per pipeline rank saying whether its gradients hold inf/nan, so the non-finite decision
+   (raise, skip the step, or ignore) is the same on every rank without another collective.
 
 Failures (see :mod:`lightning_pp.runtime.failure`): every wait, point-to-point or collective, has
 the pipeline timeout; the rank that fails records itself on the job's failure board, and a rank
@@ -24,9 +26,10 @@ one device.
 from __future__ import annotations
 
 import datetime
+import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,7 @@ from lightning_pp.runtime.context import microbatch_context
 from lightning_pp.runtime.failure import (
     Diagnosis,
     FailureBoard,
+    NonFiniteError,
     PipelineCommError,
     PipelineError,
     Position,
@@ -55,6 +59,8 @@ from lightning_pp.schedules import Action, ScheduleConfig, rank_actions
 from lightning_pp.schedules.messages import Message, send_order
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)
+NonFinitePolicy = Literal["raise", "skip", "ignore"]
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
 
 @dataclass
@@ -64,6 +70,8 @@ class StepResult:
     loss: Optional[torch.Tensor]  # batch loss (global weighted mean), same on every rank
     num_samples: float  # global normaliser: samples, or the counts returned by pipeline_loss
     outputs: list = field(default_factory=list)  # last stage, forward-only: per-microbatch outputs
+    nonfinite: Optional[str] = None  # what was not finite (loss, gradients on which ranks), same everywhere
+    skipped: bool = False  # nonfinite="skip" dropped this step's gradients
 
 
 def _as_tensors(value: Any, where: str) -> tuple[tuple[torch.Tensor, ...], bool]:
@@ -116,7 +124,13 @@ def normalise_loss(value: Any, samples: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 class PipelineExecutor:
-    """Executes the schedule for one rank. Holds no Lightning state; strategies wrap it."""
+    """Executes the schedule for one rank. Holds no Lightning state; strategies wrap it.
+
+    ``nonfinite`` decides what a training step whose loss or gradients hold inf/nan does, on every
+    rank alike: ``"raise"`` (:class:`NonFiniteError`), ``"skip"`` (the step's gradients are dropped,
+    ``.grad`` is left as before the step, so ``optimizer.step()`` after ``zero_grad()`` changes
+    nothing; ``StepResult.skipped`` is set) or ``"ignore"`` (no gradient check).
+    """
 
     def __init__(
         self,
@@ -131,8 +145,12 @@ class PipelineExecutor:
         board: Optional[FailureBoard] = None,
         broadcast_parameters: bool = True,
         record_timeline: bool = True,
+        nonfinite: NonFinitePolicy = "raise",
         watchdog: WatchdogConfig = WatchdogConfig(),
     ) -> None:
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={nonfinite!r} is invalid: choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
+        self.nonfinite = nonfinite
         self.timeout = timeout
         self.module = module
         self.partition = partition
@@ -189,6 +207,18 @@ class PipelineExecutor:
         self.steps_done += 1
         for hook in self._step_hooks:  # layers that note steps (e.g. staging buffers: warm-up over)
             hook(self.steps_done)
+        if result.nonfinite is not None and self.nonfinite != "ignore":
+            for p in self.grad_sync.params:  # drop this step's contribution
+                p.grad = saved.get(p)
+            if self.nonfinite == "raise":
+                raise NonFiniteError(
+                    f"step {self.steps_done - 1} is not finite: {result.nonfinite}. Every rank raises at this step "
+                    f"(nonfinite='raise'); the gradients are left as they were before it. Pass nonfinite='skip' "
+                    f"to skip such steps, or run one step under torch.autograd.detect_anomaly() to find the "
+                    f"operation that produced it."
+                )
+            result.skipped = True
+            return result
         for p, grad in saved.items():
             p.grad = grad if p.grad is None else p.grad.add_(grad)
         return result
@@ -297,6 +327,29 @@ class PipelineExecutor:
             raise PipelineCommError(f"{self.topology.describe()}: {what} timed out after "
                                     f"{self.timeout.total_seconds():g}s", peer=None, reason="timeout")
 
+    def _local_grads_nonfinite(self) -> torch.Tensor:
+        """1.0 if any of this rank's gradients holds inf/nan, else 0.0, computed on the device (no
+        sync). Max-abs norms never overflow, so only real inf/nan count."""
+        grads = [p.grad for p in self.grad_sync.params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads, float("inf"))])
+        return (~torch.isfinite(norms)).any().to(torch.float64)
+
+    def _nonfinite_description(self, values: list[float]) -> Optional[str]:
+        pp = self.config.pp
+        loss_bad = not math.isfinite(values[0])
+        ranks = [r for r in range(pp) if len(values) > 2 and values[2 + r] > 0]
+        if not loss_bad and not ranks:
+            return None
+        parts = []
+        if loss_bad:
+            parts.append(f"the batch loss is {values[0] / values[1] if values[1] else values[0]}")
+        if ranks:
+            stages = [r + c * pp for r in ranks for c in range(self.config.vp)]
+            parts.append(f"gradients hold inf/nan on pipeline rank(s) {ranks} (virtual stage(s) {sorted(stages)})")
+        return "; ".join(parts)
+
     def _step(self, batch: Any, train: bool, compute_loss: bool = True, collect: bool = False,
               grad_scale: float = 1.0) -> StepResult:
         cfg = self.config
@@ -329,9 +382,13 @@ class PipelineExecutor:
                 self.grad_sync.after_action(index)
         position.action = None
         self.p2p.finish()
-        loss, count = None, 0.0
+        loss, count, nonfinite = None, 0.0, None
         if train or compute_loss:
             totals = torch.stack([self._loss_sum, self._count])
+            if train and self.nonfinite != "ignore":
+                flags = torch.zeros(cfg.pp, dtype=torch.float64, device=self.device)
+                flags[self.pp_rank] = self._local_grads_nonfinite()
+                totals = torch.cat([totals, flags])
             # Only last-stage ranks contribute the loss; every rank gets the totals and the flags.
             self._wait_collective(dist.all_reduce(totals, async_op=True), "the all-reduce of the step's loss")
             values = totals.tolist()
@@ -342,12 +399,13 @@ class PipelineExecutor:
                     f"(or a mean over a non-empty microbatch)."
                 )
             loss = totals[0] / totals[1]
+            nonfinite = self._nonfinite_description(values)
         if train:
             self.grad_sync.finish(scale=grad_scale / count,
                                   wait=lambda work, what: self._wait_collective(work, what))
         timeline.end_step()
         outputs, self._outputs, self._saved, self._batches = self._outputs, [], {}, None
-        return StepResult(loss=loss, num_samples=count, outputs=outputs)
+        return StepResult(loss=loss, num_samples=count, outputs=outputs, nonfinite=nonfinite)
 
     def _deliver(self, stage: int, message: Message, tensors: tuple, as_tuple: bool) -> None:
         dst = stage % self.config.pp

@@ -11,7 +11,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.runtime import PipelineExecutor, build_pipeline, build_topology, check_protocol
+from lightning_pp.runtime import (
+    NONFINITE_POLICIES,
+    PipelineExecutor,
+    StepResult,
+    build_pipeline,
+    build_topology,
+    check_protocol,
+)
 from lightning_pp.runtime.grads import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.microbatch import batch_size
 from lightning_pp.runtime.topology import ParallelDims
@@ -23,7 +30,13 @@ DEFAULT_PIPELINE_TIMEOUT = datetime.timedelta(seconds=600)
 @dataclass
 class PipelineOptions:
     """The pipeline part of a strategy's configuration. ``None`` sizes are derived from the world
-    size: pipeline size = world / expert size, microbatches = 2 x pipeline size."""
+    size: pipeline size = world / expert size, microbatches = 2 x pipeline size.
+
+    ``nonfinite="raise"`` by default: a step whose loss or gradients hold inf/nan stops training on
+    every rank at that step, naming the pipeline ranks whose gradients were affected. Unnoticed,
+    one such step turns every parameter into nan and the rest of a long multi-GPU run is wasted;
+    "skip" (drop the step, keep going, warn) is for runs that expect rare spikes, "ignore" is
+    plain PyTorch's behaviour."""
 
     pipeline_parallel_size: Optional[int] = None
     expert_parallel_size: int = 1
@@ -33,9 +46,15 @@ class PipelineOptions:
     layout: Union[None, str, list[int]] = None
     microbatch_group_size: Optional[int] = None
     pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT
+    nonfinite: str = "raise"
+    pipeline_watchdog: bool = True
 
     def check_static(self) -> None:
         """Checks that need no world size (run in the constructor)."""
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"nonfinite={self.nonfinite!r} is invalid: choose one of {', '.join(map(repr, NONFINITE_POLICIES))}."
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not a known schedule: choose one of {', '.join(SCHEDULES)}.")
         if self.pipeline_parallel_size is not None:
@@ -97,6 +116,21 @@ class PipelineEngine:
         self.executor: Optional[PipelineExecutor] = None
         self.topology = None
         self.recorder = LogRecorder()
+        self.skipped_steps = 0  # training steps dropped by nonfinite="skip"
+
+    def train_step(self, batch: Any, grad_scale: float = 1.0) -> StepResult:
+        """One pipelined training step; counts and warns about steps skipped as non-finite."""
+        result = self.executor.train_step(batch, grad_scale=grad_scale)
+        if result.skipped:
+            from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+            self.skipped_steps += 1
+            rank_zero_warn(
+                f"lightning_pp skipped a training step (nonfinite='skip'): {result.nonfinite}. Its gradients were "
+                f"dropped, so the optimizer step that follows changes nothing; {self.skipped_steps} step(s) "
+                f"skipped so far."
+            )
+        return result
 
     def setup_topology(self, device_type: str) -> None:
         if self.topology is None:
@@ -125,6 +159,8 @@ class PipelineEngine:
             device=device,
             timeout=opts.pipeline_timeout,
             topology=self.topology,
+            nonfinite=opts.nonfinite,
+            watchdog=opts.pipeline_watchdog,
         )
         executor.loss_fn = self._recording_loss(module)
         module._lpp_executor = executor  # not a submodule: plain attribute

@@ -30,6 +30,7 @@ from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngin
 from lightning_pp.strategies.registration import register_into
 
 ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe"]
+NonFinitePolicy = Literal["raise", "skip", "ignore"]
 
 
 def _unwrap(module: Any) -> nn.Module:
@@ -37,7 +38,12 @@ def _unwrap(module: Any) -> nn.Module:
 
 
 class FabricPipelineStrategy(DDPStrategy):
-    """Pipeline-parallel strategy for Fabric; the constructor mirrors ``PipelineStrategy``."""
+    """Pipeline-parallel strategy for Fabric; the constructor mirrors ``PipelineStrategy``.
+
+    With ``nonfinite="skip"``, a skipped step leaves ``.grad`` as it was before the step (``None``
+    after ``optimizer.zero_grad()``), so the ``optimizer.step()`` that follows changes nothing;
+    :attr:`skipped_steps` counts them.
+    """
 
     def __init__(
         self,
@@ -49,6 +55,8 @@ class FabricPipelineStrategy(DDPStrategy):
         layout: Optional[Union[str, list[int]]] = None,
         microbatch_group_size: Optional[int] = None,
         pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT,
+        nonfinite: NonFinitePolicy = "raise",
+        pipeline_watchdog: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -71,10 +79,16 @@ class FabricPipelineStrategy(DDPStrategy):
         self.options = PipelineOptions(
             pipeline_parallel_size, expert_parallel_size, virtual_pipeline_size, num_microbatches,
             schedule, layout, microbatch_group_size, pipeline_timeout,
+            nonfinite=nonfinite, pipeline_watchdog=pipeline_watchdog,
         )
         self.options.check_static()
         self.engine = PipelineEngine(self.options)
         self._backward_sync_control = None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Training steps dropped so far because their loss or gradients were not finite."""
+        return self.engine.skipped_steps
 
     def _configure_launcher(self) -> None:
         self.options.check(self.num_nodes * self.num_processes)
@@ -112,8 +126,9 @@ class FabricPipelineStrategy(DDPStrategy):
         added to ``.grad`` (zero them yourself, as with ``loss.backward()``). Returns the batch loss
         on every rank."""
         executor = _unwrap(module)._lpp_executor
+        self.engine.executor = executor
         with self.precision.forward_context():
-            result = executor.train_step(self.precision.convert_input(batch))
+            result = self.engine.train_step(self.precision.convert_input(batch))
         self.engine.recorder.take()  # Fabric has no logger hook in the step: drop recorded logs
         return result.loss
 

@@ -38,6 +38,7 @@ from lightning_pp.strategies.registration import register_into
 from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineOptions
 
 ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe"]
+NonFinitePolicy = Literal["raise", "skip", "ignore"]
 
 
 class _PipelineAutomaticOptimization(_AutomaticOptimization):
@@ -65,7 +66,15 @@ class PipelineStrategy(DDPStrategy):
         schedule: ``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"`` or ``"gpipe"``.
         layout: layers per virtual stage, as a list or a Megatron-style string; default balanced.
         microbatch_group_size: interleaved grouping of microbatches; default pipeline size.
-        pipeline_timeout: how long any stage-boundary transfer may wait before the step fails.
+        pipeline_timeout: how long any wait of a step (a stage-boundary transfer or an in-step
+            collective) may last before the step fails, naming the rank that stalled. Keep it well
+            above the longest legitimate wait (about one step) and below ``timeout``.
+        nonfinite: what a step whose loss or gradients hold inf/nan does, decided alike on every
+            rank: ``"raise"`` (default; ``NonFiniteError`` at that step), ``"skip"`` (its gradients
+            are dropped so the optimizer step changes nothing; a warning says so) or ``"ignore"``.
+        pipeline_watchdog: run the per-process watchdog thread that publishes this rank's position
+            (so peers can name a killed or stuck rank) and ends the process if it stays blocked
+            after another rank failed (see ``lightning_pp.runtime.failure``).
         process_group_backend, timeout, start_method, accelerator, parallel_devices,
         cluster_environment, checkpoint_io, precision_plugin: as for ``DDPStrategy``.
     """
@@ -82,6 +91,8 @@ class PipelineStrategy(DDPStrategy):
         layout: Optional[Union[str, list[int]]] = None,
         microbatch_group_size: Optional[int] = None,
         pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT,
+        nonfinite: NonFinitePolicy = "raise",
+        pipeline_watchdog: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -104,9 +115,16 @@ class PipelineStrategy(DDPStrategy):
         self.options = PipelineOptions(
             pipeline_parallel_size, expert_parallel_size, virtual_pipeline_size, num_microbatches,
             schedule, layout, microbatch_group_size, pipeline_timeout,
+            nonfinite=nonfinite, pipeline_watchdog=pipeline_watchdog,
         )
         self.options.check_static()
         self.engine = PipelineEngine(self.options)
+        self._last_step_skipped = False
+
+    @property
+    def skipped_steps(self) -> int:
+        """Training steps dropped so far because their loss or gradients were not finite."""
+        return self.engine.skipped_steps
 
     # -- configuration checks before any process starts ----------------------------------------
     def _configure_launcher(self) -> None:
@@ -178,7 +196,8 @@ class PipelineStrategy(DDPStrategy):
         rank). Gradients are added to ``.grad``. For manual optimization, call this from
         ``training_step`` instead of ``self.manual_backward``."""
         with self.precision_plugin.train_step_context():
-            result = self.engine.executor.train_step(batch, grad_scale=grad_scale)
+            result = self.engine.train_step(batch, grad_scale=grad_scale)
+        self._last_step_skipped = result.skipped
         return result.loss
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -197,7 +216,8 @@ class PipelineStrategy(DDPStrategy):
         call._call_callback_hooks(trainer, "on_after_backward")
         call._call_lightning_module_hook(trainer, "on_after_backward")
         self._replay_logs(len_of(batch))
-        module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len_of(batch))
+        if not self._last_step_skipped:  # a skipped step's inf/nan would poison the epoch mean
+            module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len_of(batch))
         return loss
 
     def _eval_step(self, batch: Any, name: str) -> torch.Tensor:
