@@ -33,7 +33,7 @@ from torch import nn
 
 from lightning_pp.moe.buffers import StagingPool, stage_dispatch_bwd_grad
 from lightning_pp.runtime import context
-from lightning_pp.runtime.nodes import EmulatedLink, LayerNodes, ScheduleNode
+from lightning_pp.runtime.nodes import LaunchedWork, LayerNodes, ScheduleNode, wait_for
 
 
 class CausalSelfAttention(nn.Module):
@@ -125,6 +125,7 @@ class _ReleaseOnWait:
 
     def __init__(self, work, pool: StagingPool, slot: int) -> None:
         self.work, self.pool, self.slot = work, pool, slot
+        self.launched = getattr(work, "launched", None)
 
     def wait(self, *args, **kwargs):
         if self.work is not None:
@@ -248,14 +249,16 @@ class MoEBlock(nn.Module):
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits):
         """All-to-all of rows; returns an async work handle (None if nothing to wait for)."""
+        timeline = context.current().timeline
+        launched = timeline.now() if timeline is not None else None
         work = None
         if self.ep_size > 1:
             work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.ep_group, async_op=True)
         else:
             out.copy_(inp)
-        if self.a2a_delay > 0:
-            work = EmulatedLink(work, self.a2a_delay)
-        return work
+        if work is None and self.a2a_delay <= 0:
+            return None
+        return LaunchedWork(work, launched, self.a2a_delay)
 
     def _dispatch(self, state: dict, permuted: torch.Tensor):
         self._exchange_counts(state)
@@ -362,14 +365,9 @@ class MoEBlock(nn.Module):
 
 
 def _timed_wait(work) -> None:
-    if work is None:
-        return
-    ctx = context.current()
-    timeline = ctx.timeline
-    start = timeline.now() if timeline is not None else None
-    work.wait()
-    if start is not None:
-        timeline.add("a2a_wait", ctx.microbatch, ctx.chunk, start, timeline.now())
+    if work is not None:
+        ctx = context.current()
+        wait_for([work], ctx.timeline, ctx.microbatch, ctx.chunk)
 
 
 class _Dispatch(torch.autograd.Function):

@@ -71,12 +71,8 @@ class PlanEvent:
         if self.cuda_event is not None:
             (stream or torch.cuda.current_stream()).wait_event(self.cuda_event)
         if self.pending:
-            start = self.timeline.now() if self.timeline is not None else None
             pending, self.pending = self.pending, []
-            for work in pending:
-                work.wait()
-            if start is not None:
-                self.timeline.add("a2a_wait", self.microbatch, self.chunk, start, self.timeline.now())
+            wait_for(pending, self.timeline, self.microbatch, self.chunk)
 
     def record(self, stream=None) -> None:
         if self.cuda_event is not None:
@@ -282,13 +278,17 @@ def _overlapped_layer(f: LayerPlan, b: LayerPlan, x: Tensors, g: Tensors) -> tup
     return x, g
 
 
-class EmulatedLink:
-    """Wraps an async work handle so it completes no earlier than ``delay`` seconds after launch,
-    without burning CPU (the wait sleeps). Models a slower expert interconnect in benchmarks."""
+class LaunchedWork:
+    """An async collective and when it was launched (on the step's timeline clock), so the
+    timeline can show each all-to-all from launch to completion (``a2a``) next to the time
+    compute waited for it (``a2a_wait``)."""
 
-    def __init__(self, work: Any, delay: float) -> None:
+    def __init__(self, work: Any, launched: Optional[float], delay: float = 0.0) -> None:
         self.work = work
-        self.ready_at = time.perf_counter() + delay
+        self.launched = launched
+        # An emulated slower link (benchmarks): complete no earlier than ``delay`` seconds after
+        # launch; the wait sleeps, burning no CPU.
+        self.ready_at = time.perf_counter() + delay if delay > 0 else 0.0
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         if self.work is not None:
@@ -298,5 +298,21 @@ class EmulatedLink:
             time.sleep(remaining)
         return True
 
-    def is_completed(self) -> bool:
-        return (self.work is None or self.work.is_completed()) and time.perf_counter() >= self.ready_at
+
+def wait_for(works: Sequence[Any], timeline=None, microbatch: int = -1, chunk: int = -1) -> None:
+    """Wait for ``works``, recording the wait (``a2a_wait``) and each launched transfer's span
+    (``a2a``: from launch until it was seen complete) on ``timeline``."""
+    if timeline is None or not timeline.enabled:
+        for work in works:
+            work.wait()
+        return
+    start = timeline.now()
+    for work in works:
+        before = timeline.now()
+        work.wait()
+        after = timeline.now()
+        launched = getattr(work, "launched", None)
+        if launched is not None:
+            # Already complete when the wait began: it finished at the latest then.
+            timeline.add("a2a", microbatch, chunk, launched, after if after - before > 1e-5 else before)
+    timeline.add("a2a_wait", microbatch, chunk, start, timeline.now())
