@@ -187,7 +187,13 @@ class PointToPoint:
         self.bytes_sent += sum(t.numel() * t.element_size() for t in payload)
         self._reap_sends()
         if mismatch is not None:
-            # Sent anyway: the receiver sees the same change in the header and fails at once too.
+            # Sent anyway, and flushed (briefly) before raising: the receiver sees the same change in
+            # the header and fails at once too, instead of learning of it when this process exits.
+            # Only the header: the receiver stops there.
+            try:
+                works[0].wait(timeout=datetime.timedelta(seconds=min(5.0, self.timeout.total_seconds())))
+            except Exception:  # noqa: BLE001 - the mismatch is the error to report
+                pass
             raise StageBoundaryError(mismatch)
 
     def recv(self, src: int, message: Message) -> tuple[tuple[torch.Tensor, ...], bool]:
