@@ -1,0 +1,83 @@
+"""Reproduce every table of BENCHMARKS.md and print one ``name: value`` line per figure.
+
+    python benchmarks/run_all.py --quick     # every figure, fewer steps: under 10 minutes on 2 cores
+    python benchmarks/run_all.py             # the full runs
+
+Runs each benchmark in turn (each spawns its own gloo processes), prints its table, then the
+summary lines: ratio_vs_torch_1f1b, ratio_vs_torch_interleaved, bubble_measured_over_simulated,
+a2a_hidden_fraction, peak_memory_ratio_vs_torch, monitor_overhead,
+schedule_generate_simulate_seconds, and the supporting figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def _schedule_seconds(quick: bool) -> float:
+    from lightning_pp.schedules import make_config, rank_actions, simulate
+
+    def once() -> float:
+        start = time.perf_counter()
+        cfg = make_config("interleaved", 64, 4, 1024)
+        simulate(cfg, actions=[rank_actions(cfg, r) for r in range(cfg.pp)])
+        return time.perf_counter() - start
+
+    return statistics.median(once() for _ in range(3 if quick else 5))
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    q = args.quick
+    figures: dict[str, float] = {}
+    started = time.perf_counter()
+
+    def section(title: str, module: str, options: dict, keys: dict) -> None:
+        mod = importlib.import_module(module)
+        t0 = time.perf_counter()
+        res = mod.run(options)
+        print(f"\n## {title}  ({module}.py, {time.perf_counter() - t0:.0f}s)")
+        report = getattr(mod, "format_report", None)
+        if report is not None:
+            print(report(res))
+        for name, path in keys.items():
+            value = res
+            for part in path.split("/"):
+                value = value[part]
+            figures[name] = value
+
+    section("Runtime vs torch.distributed.pipelining", "bench_vs_torch",
+            {"quick": None, "steps": 10 if q else 30, "warmup": 2, "wait_quiet": 0.0},
+            {"ratio_vs_torch_1f1b": "ratio_vs_torch_1f1b", "ratio_vs_torch_interleaved": "ratio_vs_torch_interleaved"})
+    section("Measured vs simulated bubble", "bench_bubble", argparse.Namespace(
+        hidden=512, microbatches=8, steps=6 if q else 20, quick=False),
+        {"bubble_measured_over_simulated": "bubble_measured_over_simulated"})
+    section("All-to-all hidden by combined 1F1B (emulated link)", "bench_a2a_overlap",
+            argparse.Namespace(delay=0.0015, quick=q),
+            {"a2a_hidden_fraction": "a2a_hidden_fraction", "a2a_hidden_fraction_ideal": "a2a_hidden_fraction_ideal"})
+    section("Peak memory per rank", "bench_memory", argparse.Namespace(
+        hidden=512, batch=256, microbatches=8, steps=4, quick=q),
+        {"peak_memory_ratio_vs_torch": "peak_memory_ratio_vs_torch",
+         "peak_memory_over_1f1b_bound": "peak_memory_over_1f1b_bound"})
+    section("Timeline recording and monitor overhead", "bench_monitor_overhead", {"quick": q, "wait_quiet": 0.0},
+            {"monitor_overhead": "monitor_overhead", "timeline_overhead": "timeline_overhead"})
+    figures["schedule_generate_simulate_seconds"] = _schedule_seconds(q)
+
+    print(f"\n## Summary ({'--quick, ' if q else ''}{time.perf_counter() - started:.0f}s in all)")
+    for name, value in figures.items():
+        print(f"{name}: {value:.4f}")
+    return figures
+
+
+if __name__ == "__main__":
+    main()
