@@ -13,18 +13,30 @@ This is the layout of Lightning's sharded FSDP checkpoints, so
 ``python -m lightning.pytorch.utilities.consolidate_checkpoint <dir>`` turns one into a
 single-file checkpoint that ``LightningModule.load_from_checkpoint`` loads on one device.
 
-Saving is atomic: shards go to a temporary sibling directory that rank 0 renames into place
-after every rank has finished, so an interrupted save never leaves a half-written checkpoint at
-the target path.
+Saving is atomic: shards go to a temporary sibling directory (``.<name>.tmp-<id>``, which no
+checkpoint lookup matches: Lightning's ``ckpt_path="last"`` wants ``last*.ckpt``) that rank 0
+swaps into place after every rank has finished, with one ``renameat2(RENAME_EXCHANGE)`` on Linux.
+A process killed at any moment of a save therefore leaves either the previous checkpoint or the
+new one at the path, complete. Where the exchange is unsupported (not Linux, or e.g. NFS) two
+renames are used, and a crash between them leaves the previous checkpoint as ``.<name>.old-<id>``,
+which the next load or save of that path recovers. Leftovers of interrupted saves are removed by
+the next save of the same path.
+
+``meta.pt`` also records the layout the checkpoint was saved with (``lightning_pp_layout``). A
+checkpoint loads at any pipeline, virtual or expert-parallel layout, but only into a model with
+the same parameters: when it does not fit, every rank raises one error naming both layouts and
+the first parameters that are missing or differ in shape.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 META_FILE = "meta.pt"
+LAYOUT_KEY = "lightning_pp_layout"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -85,6 +98,80 @@ def _agree_on_path(path: Path) -> Path:
     return path
 
 
+def layout_of(executor) -> dict:
+    """The layout a checkpoint is saved with (recorded in its meta, quoted when it does not fit)."""
+    topology, config = executor.topology, executor.config
+    return {
+        "world_size": topology.dims.world_size,
+        "pipeline_parallel_size": config.pp,
+        "virtual_pipeline_size": config.vp,
+        "expert_parallel_size": topology.ep,
+        "data_parallel_size": topology.dp,
+        "layers_per_stage": list(executor.partition.layout),
+        "schedule": config.schedule,
+    }
+
+
+def describe_layout(layout: Optional[dict]) -> str:
+    if not layout:
+        return "unknown (the checkpoint has no layout record)"
+    layers = layout["layers_per_stage"]
+    return (
+        f"pp={layout['pipeline_parallel_size']} x vp={layout['virtual_pipeline_size']} "
+        f"(layers per virtual stage {layers}, {sum(layers)} layers), ep={layout['expert_parallel_size']}, "
+        f"dp={layout['data_parallel_size']}, world size {layout['world_size']}"
+    )
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux ``renameat2``). False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    errno = ctypes.get_errno()
+    if errno in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the file system cannot exchange
+        return False
+    raise OSError(errno, f"cannot swap {a} and {b} into place: {os.strerror(errno)}")
+
+
+def _siblings(path: Path, kind: str) -> list[Path]:
+    return sorted(path.parent.glob(f".{path.name}.{kind}-*")) if path.parent.is_dir() else []
+
+
+def _recoverable(path: Path) -> Optional[Path]:
+    """The previous checkpoint left as ``.<name>.old-*`` by a save interrupted between its two
+    renames (only where the atomic exchange is unavailable), if ``path`` itself is missing."""
+    if is_sharded_checkpoint(path):
+        return None
+    complete = [old for old in _siblings(path, "old") if is_sharded_checkpoint(old)]
+    return complete[-1] if complete else None
+
+
+def find_checkpoint(path: Any) -> Optional[Path]:
+    """The sharded checkpoint directory to read for ``path`` (``path`` itself, or the previous
+    checkpoint an interrupted save left beside it), or None if there is none."""
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        return path
+    return _recoverable(path)
+
+
+def _tidy(path: Path) -> None:
+    """Rank 0, before a save: restore an interrupted save's previous checkpoint, drop leftovers."""
+    old = _recoverable(path)
+    if old is not None and not path.exists():
+        os.replace(old, path)
+    for leftover in _siblings(path, "tmp") + _siblings(path, "old"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 def save(path: Any, shards: dict[str, dict], meta: dict) -> Path:
     """Write ``shards`` (DCP, every rank) and ``meta`` (rank 0) atomically to directory ``path``."""
     path = _agree_on_path(Path(path))
@@ -94,7 +181,9 @@ def save(path: Any, shards: dict[str, dict], meta: dict) -> Path:
         dist.broadcast_object_list(tmp_box, src=0)
     tmp = Path(tmp_box[0])
     if rank == 0:
-        tmp.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _tidy(path)
+        tmp.mkdir()
     if dist.is_initialized():
         dist.barrier()
     dcp.save(shards, checkpoint_id=tmp)
@@ -103,28 +192,69 @@ def save(path: Any, shards: dict[str, dict], meta: dict) -> Path:
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
-        if path.exists():
+        if not path.exists():
+            os.replace(tmp, path)
+        elif _exchange(tmp, path):
+            shutil.rmtree(tmp, ignore_errors=True)  # now holds the previous checkpoint
+        else:
             old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
             os.replace(path, old)
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
     if dist.is_initialized():
         dist.barrier()
     return path
 
 
-def load(path: Any, shards: dict[str, dict]) -> dict:
-    """Fill ``shards`` (live tensors, in place) from the checkpoint at ``path``; return its meta."""
+def _fit_problems(path: Path, shards: dict[str, dict]) -> list[str]:
+    """This rank's tensors that the checkpoint lacks or holds with another shape."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    problems = []
+    for prefix, state in shards.items():
+        for key, value in state.items():
+            name = f"{prefix}.{key}"
+            if name not in stored:
+                problems.append(f"{name} is missing from the checkpoint")
+            elif isinstance(value, torch.Tensor) and tuple(getattr(stored[name], "size", value.shape)) != tuple(value.shape):
+                problems.append(f"{name} has shape {tuple(stored[name].size)} in the checkpoint but "
+                                f"{tuple(value.shape)} here")
+    return problems
+
+
+def load(path: Any, shards: dict[str, dict], layout: Optional[dict] = None) -> dict:
+    """Fill ``shards`` (live tensors, in place) from the checkpoint at ``path``; return its meta.
+
+    ``layout`` (see :func:`layout_of`) is this run's, quoted if the checkpoint does not fit. The
+    fit check runs on every rank and its result is shared, so all ranks raise the same error."""
     path = Path(path)
+    recovered = _recoverable(path)
+    if recovered is not None:
+        warnings.warn(f"{path} is missing: a save was interrupted between its two renames; loading the "
+                      f"previous checkpoint from {recovered} (the next save to {path} restores it there).")
+        path = recovered
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(
             f"{path} is not a lightning_pp sharded checkpoint (a directory with {META_FILE}): pass the "
             f"checkpoint directory that the pipeline strategy saved."
         )
+    meta = torch.load(path / META_FILE, weights_only=False)
+    problems = _fit_problems(path, shards)
+    if dist.is_initialized():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problems)
+        problems = sorted({p for rank_problems in gathered for p in rank_problems})
+    if problems:
+        saved = meta.get(LAYOUT_KEY) if isinstance(meta, dict) else None
+        raise ValueError(
+            f"the checkpoint {path} does not fit this model, so it cannot be re-sharded into it: "
+            f"{len(problems)} tensor(s) do not match, e.g. {'; '.join(problems[:3])}. It was saved with "
+            f"layout {describe_layout(saved)}; this run has layout {describe_layout(layout)}. A checkpoint "
+            f"stores every parameter under its global name, so it loads at any pipeline, virtual or expert "
+            f"layout, but only into a model with the same parameters and shapes (the same layers, sizes "
+            f"and number of experts)."
+        )
     dcp.load(shards, checkpoint_id=path)
-    return torch.load(path / META_FILE, weights_only=False)
+    return meta
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict, strict: bool = True) -> None:

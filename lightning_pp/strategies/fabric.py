@@ -169,6 +169,7 @@ class FabricPipelineStrategy(DDPStrategy):
                 shards[key] = ckpt.optimizer_state(module, obj)
             else:
                 meta[key] = obj
+        meta[ckpt.LAYOUT_KEY] = ckpt.layout_of(module._lpp_executor)
         ckpt.save(path, shards, meta)
 
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
@@ -182,7 +183,8 @@ class FabricPipelineStrategy(DDPStrategy):
                 shards[key] = _unwrap(obj).state_dict()
             elif isinstance(obj, Optimizer):
                 shards[key] = ckpt.optimizer_state(module, obj)
-        meta = ckpt.load(path, shards)
+        meta = ckpt.load(path, shards, layout=ckpt.layout_of(module._lpp_executor))
+        meta.pop(ckpt.LAYOUT_KEY, None)
         for key, obj in state.items():
             if isinstance(obj, Optimizer):
                 ckpt.load_optimizer_state(module, obj, shards[key])

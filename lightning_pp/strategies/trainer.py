@@ -273,11 +273,12 @@ class PipelineStrategy(DDPStrategy):
         shards = {"model": checkpoint.pop("state_dict")}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             shards[f"optimizer_{i}"] = state
+        checkpoint[ckpt.LAYOUT_KEY] = ckpt.layout_of(self.engine.executor)
         ckpt.save(filepath, shards, checkpoint)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         module = self.lightning_module
-        if not ckpt.is_sharded_checkpoint(checkpoint_path):
+        if ckpt.find_checkpoint(checkpoint_path) is None:
             # A single-file (e.g. consolidated) checkpoint: weights only.
             checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=bool(weights_only))
             ckpt.load_full_state_dict(module, checkpoint["state_dict"])
@@ -287,7 +288,7 @@ class PipelineStrategy(DDPStrategy):
         optimizers = self.optimizers if fitting else []
         for i, optimizer in enumerate(optimizers):
             shards[f"optimizer_{i}"] = ckpt.optimizer_state(module, optimizer)
-        meta = ckpt.load(checkpoint_path, shards)
+        meta = ckpt.load(checkpoint_path, shards, layout=ckpt.layout_of(self.engine.executor))
         for i, optimizer in enumerate(optimizers):
             ckpt.load_optimizer_state(module, optimizer, shards[f"optimizer_{i}"])
         return meta
