@@ -57,6 +57,7 @@ def build_pipeline(
     topology: Optional[Topology] = None,
     nonfinite: NonFinitePolicy = "raise",
     watchdog: Union[bool, WatchdogConfig] = True,
+    static_shapes: bool = True,
 ) -> PipelineExecutor:
     """Validate the configuration, build the groups, cut ``module`` in place and return the
     executor for this rank. Every check that can fail does so before any group is created.
@@ -80,6 +81,7 @@ def build_pipeline(
     setup_expert_parallel(partition, topology, device)
     module.to(device)
     return PipelineExecutor(module, partition, topology, config, device=device, timeout=timeout,
+                            static_shapes=static_shapes,
                             nonfinite=nonfinite, watchdog=watchdog)
 
 

@@ -147,6 +147,7 @@ class PipelineExecutor:
         record_timeline: bool = True,
         nonfinite: NonFinitePolicy = "raise",
         watchdog: WatchdogConfig = WatchdogConfig(),
+        static_shapes: bool = True,
     ) -> None:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r} is invalid: choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
@@ -173,6 +174,9 @@ class PipelineExecutor:
             for forward_only in (False, True)
         }
         self.timeline = Timeline(enabled=record_timeline, device=device)
+        # Stage-boundary shapes are a function of the microbatch shapes (true unless a layer's
+        # output shape depends on the data): skip the shape header once they repeat (p2p.py).
+        self.static_shapes = static_shapes
         # Combined 1F1B runs chunks node by node (see runtime/nodes.py) so FB actions can overlap.
         self._use_plans = config.schedule == "combined_1f1b"
         self.streams = StreamSet(device)
@@ -354,7 +358,7 @@ class PipelineExecutor:
               grad_scale: float = 1.0) -> StepResult:
         cfg = self.config
         microbatches = split_microbatches(batch, cfg.microbatches)
-        self.p2p.begin_step()
+        self.p2p.begin_step(_shapes_key(microbatches) if self.static_shapes else None, mode=not train)
         for src, order in self.expected[not train].items():
             self.p2p.expect(src, order)
         self._batches = microbatches
@@ -544,6 +548,22 @@ class PipelineExecutor:
             )
         self._finish_forward(f[0], f[1], f_received, _untuple(outputs), f_plan)
         self._finish_backward(b[0], b[1], b_received, in_grads)
+
+
+def _shapes_key(microbatches: list) -> tuple:
+    """The shapes and dtypes of every tensor of every microbatch, in order."""
+    def walk(obj, out):
+        if isinstance(obj, torch.Tensor):
+            out.append((tuple(obj.shape), obj.dtype))
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                walk(item, out)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                walk(item, out)
+        return out
+
+    return tuple(tuple(walk(mb, [])) for mb in microbatches)
 
 
 def _untuple(outputs: tuple) -> Any:

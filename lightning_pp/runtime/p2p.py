@@ -1,9 +1,11 @@
 """Stage-boundary point-to-point transport with a shape/dtype handshake.
 
-Every message is a fixed-size int64 header (number of tensors, whether they form a tuple, then
-dtype, requires_grad, ndim and shape of each) followed by one message per tensor. Because the header travels with every
-message, shapes and dtypes may change between steps and between microbatches (short last batch,
-variable sequence length) at the cost of one small extra message.
+A message is a fixed-size int64 header (number of tensors, whether they form a tuple, then dtype,
+requires_grad, ndim and shape of each) followed by one message per tensor, so shapes and dtypes
+may change between steps and between microbatches (short last batch, variable sequence length).
+Once a step with the same microbatch shapes has completed, the header is skipped and receives are
+posted ahead of need (see :meth:`PointToPoint.begin_step`): a header costs a round trip on the
+critical path, because a payload receive can only be posted once its header has arrived.
 
 Receives are posted in the order the peer sends (``lightning_pp.schedules.messages``), so
 backends that match messages first-in-first-out per peer pair (NCCL) pair them correctly, and
@@ -96,6 +98,8 @@ class _Channel:
         self.arrived: dict[Message, tuple[tuple[torch.Tensor, ...], bool]] = {}
         self.header: Optional[torch.Tensor] = None
         self.header_work = None
+        # Fast path: receives posted ahead, in the peer's send order: (message, tensors, works).
+        self.posted: collections.deque = collections.deque()
 
 
 class PointToPoint:
@@ -131,13 +135,31 @@ class PointToPoint:
         self.position = position
         self.signatures: dict[tuple[str, int], tuple[int, tuple]] = {}  # (direction, stage) -> (mb, sig)
         self.channels: dict[int, _Channel] = {}
+        # Header-free fast path (see begin_step): per mode, the specs of last step's messages and
+        # the batch key they were seen with.
+        self.specs: dict[bool, dict[tuple[int, Message], tuple]] = {False: {}, True: {}}
+        self.last_key: dict[bool, object] = {}
+        self.fast = False
+        self.mode = False
+        self.key = None
+        self.post_ahead = 2
         self.pending_sends: list[tuple[object, tuple[torch.Tensor, ...], Message, int]] = []
         self.bytes_sent = 0
 
     # -- plan ---------------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Forget the previous step's boundary signatures (shapes may change between steps)."""
+    def begin_step(self, key=None, mode: bool = False) -> None:
+        """Start a step. ``key`` describes the step's microbatch shapes (every rank of a pipeline
+        splits the same batch, so they all compute the same key); ``mode`` separates training from
+        forward-only steps.
+
+        When the key equals the one of the last completed step of the same mode, both sides skip
+        the shape header: the sender checks its tensors against last step's specs (and raises if
+        they changed although the batch shapes did not), and the receiver posts its receives ahead
+        of need, ``post_ahead`` per peer, in the peer's send order. Otherwise every message carries
+        its header, so shapes may change freely."""
         self.signatures.clear()
+        self.mode, self.key = mode, key
+        self.fast = key is not None and self.last_key.get(mode) == key
 
     def _check_signature(self, message: Message, sig: tuple, side: str) -> Optional[str]:
         """The explanation if ``sig`` differs from the first microbatch of this step at this
@@ -165,7 +187,20 @@ class PointToPoint:
                 f"were never consumed (first: {left[0].describe()}); the step ended out of sync."
             )
         channel.expected.extend(order)
-        self._post_header(src, channel)
+        if self.fast:
+            self._post_ahead(src, channel)
+        else:
+            self._post_header(src, channel)
+
+    def _post_ahead(self, src: int, channel: _Channel) -> None:
+        specs = self.specs[self.mode]
+        peer = self.peer_rank(src)
+        while channel.expected and len(channel.posted) < self.post_ahead:
+            message = channel.expected.popleft()
+            tensor_specs, as_tuple = specs[(src, message)]
+            tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in tensor_specs]
+            works = [dist.irecv(t, src=peer, group=self.group) for t in tensors]
+            channel.posted.append((message, tensors, works, tensor_specs, as_tuple))
 
     def _post_header(self, src: int, channel: _Channel) -> None:
         if channel.expected and channel.header_work is None:
@@ -176,10 +211,27 @@ class PointToPoint:
     def send(self, dst: int, message: Message, tensors: Sequence[torch.Tensor], as_tuple: bool = True) -> None:
         """Send ``tensors`` to pipeline rank ``dst`` without waiting. The header records which
         tensors require grad, so the receiver makes those leaves that collect a gradient."""
-        mismatch = self._check_signature(message, signature(tensors, as_tuple), "sends")
-        header = encode_header(tensors, self.device, as_tuple)
+        spec = ([(t.dtype, t.requires_grad, tuple(t.shape)) for t in tensors], as_tuple)
         payload = tuple(t.detach().contiguous() for t in tensors)
         peer = self.peer_rank(dst)
+        if self.fast:
+            cached = self.specs[self.mode].get((dst, message))
+            if cached != spec:
+                raise StageBoundaryError(
+                    f"{self.describe()} sends {message.describe()} as {spec[0]}, but the previous step "
+                    f"with the same batch shapes sent {cached[0] if cached else 'nothing'}: this boundary's "
+                    f"shapes depend on the data, not only on the batch shapes. Build the pipeline with "
+                    f"static_shapes=False so every message carries its shapes."
+                )
+            works = [dist.isend(t, dst=peer, group=self.group) for t in payload]
+            for work in works:
+                self.pending_sends.append((work, payload, message, dst))
+            self.bytes_sent += sum(t.numel() * t.element_size() for t in payload)
+            self._reap_sends()
+            return
+        self.specs[self.mode][(dst, message)] = spec
+        mismatch = self._check_signature(message, signature(tensors, as_tuple), "sends")
+        header = encode_header(tensors, self.device, as_tuple)
         works = [dist.isend(header, dst=peer, group=self.group)]
         works += [dist.isend(t, dst=peer, group=self.group) for t in payload]
         for work in works:
@@ -203,13 +255,23 @@ class PointToPoint:
         if channel is None:
             raise PipelineCommError(f"{self.describe()}: no messages were expected from pipeline rank {src}.")
         while message not in channel.arrived:
-            if not channel.expected:
+            if self.fast:
+                self._post_ahead(src, channel)
+            if not channel.expected and not channel.posted:
                 raise PipelineCommError(
                     f"{self.describe()}: waited for {message.describe()} from pipeline rank {src}, "
                     f"which the schedule never sends."
                 )
-            nxt = channel.expected.popleft()
-            channel.arrived[nxt] = self._recv_payload(src, channel, nxt)
+            if self.fast:
+                nxt, tensors, works, tensor_specs, as_tuple = channel.posted.popleft()
+                for work in works:
+                    self._wait(work, f"receiving {nxt.describe()}", src, nxt)
+                channel.arrived[nxt] = (
+                    tuple(t.requires_grad_(rg) if rg else t for t, (_, rg, _) in zip(tensors, tensor_specs)), as_tuple)
+                self._post_ahead(src, channel)
+            else:
+                nxt = channel.expected.popleft()
+                channel.arrived[nxt] = self._recv_payload(src, channel, nxt)
         return channel.arrived.pop(message)
 
     def _wait(self, work, what: str, peer: int, message: Optional[Message] = None) -> None:
@@ -247,6 +309,7 @@ class PointToPoint:
         mismatch = self._check_signature(message, _spec_signature(specs, as_tuple), "receives")
         if mismatch is not None:
             raise StageBoundaryError(mismatch)
+        self.specs[self.mode][(src, message)] = (specs, as_tuple)
         peer = self.peer_rank(src)
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs]
         works = [dist.irecv(t, src=peer, group=self.group) for t in tensors]
@@ -265,9 +328,12 @@ class PointToPoint:
         pending, self.pending_sends = self.pending_sends, []
         for work, _, message, dst in pending:
             self._wait(work, f"sending {message.describe()}", dst)
+        # Every message of the step went through: the next step with the same key may skip headers.
+        self.last_key[self.mode] = self.key
 
     def reset(self) -> None:
         """Drop receive state after a failed step."""
         self.channels.clear()
         self.pending_sends = []
         self.signatures.clear()
+        self.last_key.clear()
