@@ -112,14 +112,20 @@ def _assert_all_down_naming(failure, victim, victim_where, needle, marker, bound
 
 
 @pytest.mark.timeout(120)
-def test_sigkilled_middle_stage_is_named_with_its_action(tmp_path):
+@pytest.mark.parametrize("victim,named,needle", [
+    # a middle stage: peers name it and the action it was killed in, from its published position
+    (1, "rank 1 (pp=1, dp=0, ep=0) during F1.0 (microbatch 1, chunk 0, virtual stage 1)",
+     "went away without reporting an error"),
+    # rank 0 hosts the job's store, which dies with it: nothing can be looked up, so peers say so
+    (0, "the job's key-value store is unreachable", "rank 0 (pp=0) has most likely died"),
+], ids=["middle_stage", "store_host"])
+def test_sigkilled_rank_is_named_by_every_peer(tmp_path, victim, named, needle):
     marker = tmp_path / "killed_at"
     with pytest.raises(DistributedFailure) as info:
-        run_distributed(_misbehave_mid_step, 4, 1, "kill", str(marker), 4, timeout=100)
+        run_distributed(_misbehave_mid_step, 4, victim, "kill", str(marker), 4, timeout=100)
     failure = info.value
-    assert failure.exitcodes[1] == -9
-    _assert_all_down_naming(failure, 1, "rank 1 (pp=1, dp=0, ep=0) during F1.0 (microbatch 1, chunk 0, virtual stage 1)",
-                            "went away without reporting an error", marker, bound=20)
+    assert failure.exitcodes[victim] == -9
+    _assert_all_down_naming(failure, victim, named, needle, marker, bound=20)
 
 
 @pytest.mark.timeout(120)

@@ -404,8 +404,10 @@ class Diagnosis:
 
     # -- the cases ----------------------------------------------------------------------------
     def _store_gone(self, peer: Optional[int]) -> str:
-        who = f"{self.describe(peer)} went away, and " if peer is not None else ""
-        return f"{who}{STORE_GONE} ({self.board.unreachable})"
+        text = f"{STORE_GONE} ({self.board.unreachable})"
+        if peer is not None and peer != 0:
+            text += f" The peer this rank was waiting for, {self.describe(peer)}, went away too."
+        return text
 
     def _went_away(self, peer: int) -> str:
         beat = self.board.position(peer)
