@@ -213,3 +213,40 @@ class PipelineEngine:
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         ex = self.executor
         return grad_norm(ex.grad_sync, ex.topology, ex.partition, norm_type)
+
+
+class PipelineStrategyMixin:
+    """What the Trainer and Fabric strategies do alike. Put it before Lightning's ``DDPStrategy``
+    in the bases; the subclass sets ``self.options`` and ``self.engine`` in its constructor."""
+
+    options: PipelineOptions
+    engine: PipelineEngine
+
+    def _configure_launcher(self) -> None:
+        # Runs in the launching process once devices and nodes are known: a configuration that
+        # cannot work fails here, before processes are spawned or groups created.
+        self.options.check(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        # Every stage of one pipeline must see the same batch: shard the data over dp only.
+        dims = self.options.dims(self.world_size)
+        return {"num_replicas": dims.dp, "rank": dims.coordinates(self.global_rank)["dp"]}
+
+    @property
+    def skipped_steps(self) -> int:
+        """Training steps dropped so far because their loss or gradients were not finite."""
+        return self.engine.skipped_steps
+
+    def teardown(self) -> None:
+        if self.engine.executor is not None:
+            self.engine.executor.close()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        from lightning_pp.strategies.registration import register_into
+
+        register_into(strategy_registry, cls)
+

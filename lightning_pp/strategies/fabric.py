@@ -26,8 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pp.strategies import checkpoint as ckpt
-from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineOptions
-from lightning_pp.strategies.registration import register_into
+from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineOptions, PipelineStrategyMixin
 
 ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe"]
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
@@ -37,7 +36,7 @@ def _unwrap(module: Any) -> nn.Module:
     return getattr(module, "_forward_module", module)  # _FabricModule -> the user's module
 
 
-class FabricPipelineStrategy(DDPStrategy):
+class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     """Pipeline-parallel strategy for Fabric; the constructor mirrors ``PipelineStrategy``.
 
     With ``nonfinite="skip"``, a skipped step leaves ``.grad`` as it was before the step (``None``
@@ -84,20 +83,6 @@ class FabricPipelineStrategy(DDPStrategy):
         self.options.check_static()
         self.engine = PipelineEngine(self.options)
         self._backward_sync_control = None
-
-    @property
-    def skipped_steps(self) -> int:
-        """Training steps dropped so far because their loss or gradients were not finite."""
-        return self.engine.skipped_steps
-
-    def _configure_launcher(self) -> None:
-        self.options.check(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dims = self.options.dims(self.world_size)
-        return {"num_replicas": dims.dp, "rank": dims.coordinates(self.global_rank)["dp"]}
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -199,12 +184,3 @@ class FabricPipelineStrategy(DDPStrategy):
             if isinstance(obj, nn.Module):
                 return _unwrap(obj)
         return None
-
-    def teardown(self) -> None:
-        if self.engine.executor is not None:
-            self.engine.executor.close()
-        super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register_into(strategy_registry, cls)

@@ -34,8 +34,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pp.strategies import checkpoint as ckpt
-from lightning_pp.strategies.registration import register_into
-from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineOptions
+from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineOptions, PipelineStrategyMixin
 
 ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe"]
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
@@ -55,7 +54,7 @@ class _PipelineAutomaticOptimization(_AutomaticOptimization):
         pass
 
 
-class PipelineStrategy(DDPStrategy):
+class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     """Pipeline-parallel training for the Lightning Trainer.
 
     Args:
@@ -121,24 +120,7 @@ class PipelineStrategy(DDPStrategy):
         self.engine = PipelineEngine(self.options)
         self._last_step_skipped = False
 
-    @property
-    def skipped_steps(self) -> int:
-        """Training steps dropped so far because their loss or gradients were not finite."""
-        return self.engine.skipped_steps
-
-    # -- configuration checks before any process starts ----------------------------------------
-    def _configure_launcher(self) -> None:
-        # Runs in the launching process once devices and nodes are known: a configuration that
-        # cannot work fails here, before processes are spawned or groups created.
-        self.options.check(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every stage of one pipeline must see the same batch: shard the data over dp only.
-        dims = self.options.dims(self.world_size)
-        return {"num_replicas": dims.dp, "rank": dims.coordinates(self.global_rank)["dp"]}
-
+    # -- checkpoints are restored after setup, into the cut model -------------------------------
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # shards are loaded into the cut model and its optimizers
@@ -309,15 +291,6 @@ class PipelineStrategy(DDPStrategy):
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
-
-    def teardown(self) -> None:
-        if self.engine.executor is not None:
-            self.engine.executor.close()
-        super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register_into(strategy_registry, cls)
 
 
 def len_of(batch: Any) -> Optional[int]:
