@@ -333,12 +333,24 @@ class PipelineExecutor:
 
     def _local_grads_nonfinite(self) -> torch.Tensor:
         """1.0 if any of this rank's gradients holds inf/nan, else 0.0, computed on the device (no
-        sync). Max-abs norms never overflow, so only real inf/nan count."""
-        grads = [p.grad for p in self.grad_sync.params if p.grad is not None]
-        if not grads:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads, float("inf"))])
-        return (~torch.isfinite(norms)).any().to(torch.float64)
+        sync). Uses AMP's fused check (what ``GradScaler`` runs every step): one pass over the
+        gradients, exact (no overflow as with a norm), and its "unscale" by exactly 1.0 leaves
+        every value unchanged."""
+        found = torch.zeros(1, dtype=torch.float32, device=self.device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.grad_sync.params:
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                found += (~torch.isfinite(grad.coalesce().values())).any().float()
+            else:
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+        if by_dtype:
+            one = torch.ones(1, dtype=torch.float32, device=self.device)
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        return found[0].clamp(max=1.0).to(torch.float64)
 
     def _nonfinite_description(self, values: list[float]) -> Optional[str]:
         pp = self.config.pp
