@@ -7,22 +7,24 @@ blocks of width ``--hidden`` (4x expansion), output linear; float32; batch ``--b
 1. **Recording** (runtime only, no Lightning): a step is ``zero_grad`` + ``executor.train_step`` +
    ``SGD.step``, timed after a barrier, the step time being the maximum over the ranks. Rounds of
    two blocks of ``--block-size`` steps, one with ``executor.timeline.enabled = True`` and one with
-   ``False`` (which goes first alternates), ``--steps`` steps per setting.
-   ``timeline_overhead`` = median(on) / median(off) - 1.
+   ``False`` (which goes first alternates), ``--steps`` steps per setting. ``timeline_overhead`` =
+   the median over rounds of median(on block) / median(off block), minus 1.
 2. **Recording cost per span**, timed in-process: ``Timeline.span`` around an empty body (on minus
    off), times the spans of one step; ``timeline_bound`` = that / median step time is the
    recording cost without the noise of whole steps.
 3. **Callback** (Trainer fit): ``PipelineMonitor(every_n_steps=10)`` (no files) together with
-   recording, switched on and off for alternating blocks of 20 batches (so every "on" block holds
-   two gathers), ``--fit-rounds`` rounds after a warm-up block; a batch's time runs from one
-   ``on_train_batch_end`` to the next. ``monitor_overhead`` = mean(on) / mean(off) - 1: the mean,
-   not the median, because the gather every 10th batch is part of the cost.
+   recording, switched on and off for alternating blocks of 10 batches (so every "on" block holds
+   one gather), ``--fit-rounds`` rounds after a warm-up block; a batch's time runs from one
+   ``on_train_batch_end`` to the next. ``monitor_overhead`` compares block means (not medians:
+   the gather every 10th batch is part of the cost). Directly:
+   ``monitor_hook_fraction`` = time spent inside the monitor's hooks (gathers, analysis, marks)
+   / time of the batches it was on for.
 
 Other jobs on the machine's 2 cores distort all of this. Each block measures the CPU that
 processes other than the benchmark used meanwhile (from ``/proc/stat``); rounds in which a block
 saw more than 0.25 cores of it are left out when at least 3 clean rounds remain (``*_rounds_clean``
-says how many were used). ``*_noise_floor`` is the same comparison between the "off" blocks of even
-and odd rounds: differences below it are noise. ``--wait-quiet S`` first waits up to S seconds for
+says how many were clean). ``*_noise_floor`` is the same paired comparison between the "off"
+blocks of consecutive rounds: overheads below it are noise. ``--wait-quiet S`` first waits up to S seconds for
 an idle machine.
 
 Usage::
@@ -56,18 +58,17 @@ DEFAULTS = {
     "blocks": 6,
     "batch": 256,
     "microbatches": 4,
-    "steps": 40,
-    "block_size": 5,
+    "steps": 48,
+    "block_size": 3,
     "warmup": 3,
-    "fit_rounds": 3,
+    "fit_rounds": 8,
     "every_n_steps": 10,
     "timeout": 900.0,
     "wait_quiet": 0.0,
     "quick": False,
 }
 CONTENDED = 0.25  # a block during which other processes used more cores than this is left out
-QUICK = {"steps": 10, "block_size": 5, "warmup": 1, "fit_rounds": 1, "hidden": 256}
-FIT_BLOCK = 20  # batches per on/off block of the callback measurement (2 gathers at every_n_steps=10)
+QUICK = {"steps": 6, "block_size": 3, "warmup": 1, "fit_rounds": 2, "hidden": 256}
 
 
 # -- model ------------------------------------------------------------------------------------------
@@ -195,8 +196,26 @@ def _fit_part(cfg: dict, rank: int) -> dict:
 
     os.environ["LOCAL_RANK"] = str(rank)
     rounds = cfg["fit_rounds"]
-    batches = 2 * FIT_BLOCK * rounds + FIT_BLOCK  # a first block to warm up, then on/off pairs
+    # One gather per "on" block: its last batch (the monitor analyses batches n-1, 2n-1, ...).
+    block_size = cfg["every_n_steps"]
+    batches = 2 * block_size * rounds + block_size  # a first block to warm up, then on/off pairs
     monitor = PipelineMonitor(every_n_steps=cfg["every_n_steps"], write_trace=False, write_png=False, prog_bar=False)
+    # Time spent inside the monitor's own hooks (the gathers included), while it is on: its direct
+    # cost, which other jobs on the machine blur much less than a whole-batch comparison.
+    in_hooks = {"seconds": 0.0}
+
+    def timed(method):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if monitor.enabled and switch.block >= 0:  # not in the warm-up block
+                    in_hooks["seconds"] += time.perf_counter() - start
+        return wrapper
+
+    for name in ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end", "_after_optimizer_step"):
+        setattr(monitor, name, timed(getattr(monitor, name)))
 
     blocks: list = []  # (round, on?, batch times, foreign cores), like the runtime part
 
@@ -211,12 +230,12 @@ def _fit_part(cfg: dict, rank: int) -> dict:
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             step = trainer.global_step
-            if step % FIT_BLOCK:
+            if step % block_size:
                 return
             if self.load is not None and self.block >= 0:
                 blocks.append((self.block // 2, self.state, list(times), self.load.stop()))
             times.clear()
-            self.block = step // FIT_BLOCK - 1  # block -1: warm-up
+            self.block = step // block_size - 1  # block -1: warm-up
             pair, second = divmod(self.block, 2)
             self.state = (second == 0) if pair % 2 == 0 else (second == 1)  # flip the order every pair
             monitor.enabled = self.state
@@ -240,7 +259,7 @@ def _fit_part(cfg: dict, rank: int) -> dict:
 
     times: list = []
     switch = Switch()
-    x, y = _data(cfg, cfg["batch"] * FIT_BLOCK)  # one epoch = one block; epochs repeat the data
+    x, y = _data(cfg, cfg["batch"] * block_size)  # one epoch = one block; epochs repeat the data
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD_SIZE, max_steps=batches, callbacks=[switch, monitor, Timer()],
         strategy=PipelineStrategy(pipeline_parallel_size=WORLD_SIZE, num_microbatches=cfg["microbatches"]),
@@ -250,7 +269,10 @@ def _fit_part(cfg: dict, rank: int) -> dict:
     model = _model(cfg["hidden"], cfg["blocks"], lightning=True)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=cfg["batch"]))
     return {"blocks": blocks, "gathers": len(monitor.history),
-            "bubble": monitor.history[-1]["pipeline/bubble"] if monitor.history else None}
+            "bubble": monitor.history[-1]["pipeline/bubble"] if monitor.history else None,
+            "hook_seconds": in_hooks["seconds"],
+            "on_seconds": sum(sum(t) for _, on, t, _ in blocks if on),
+            "on_batches": sum(len(t) for _, on, t, _ in blocks if on)}
 
 
 # -- processes ---------------------------------------------------------------------------------------
@@ -344,29 +366,28 @@ def _launch(cfg: dict) -> list:
 
 
 def _compare(blocks: list, statistic) -> dict:
-    """on / off figures over the rounds in which neither block was contended (all rounds if fewer
-    than 3 are clean); noise floor = the same comparison between the off blocks of even and odd
-    rounds."""
+    """Paired comparison: per round, statistic(on block) / statistic(off block); the overhead is the
+    median of these ratios minus 1, over the rounds in which neither block was contended (all
+    rounds if fewer than 3 are clean). The noise floor is the same figure for identical settings:
+    the median of |off(r) / off(r + 1) - 1| over consecutive rounds used."""
     by_round: dict = {}
     for round_index, enabled, times, foreign in blocks:
         by_round.setdefault(round_index, {})[enabled] = (times, foreign)
-    complete = {r: b for r, b in by_round.items() if True in b and False in b}
-    clean = {r: b for r, b in complete.items()
-             if all(f is not None and f < CONTENDED for _, f in b.values())}
+    complete = {r: b for r, b in sorted(by_round.items()) if True in b and False in b and b[True][0] and b[False][0]}
+    clean = {r: b for r, b in complete.items() if all(f is not None and f < CONTENDED for _, f in b.values())}
     used = clean if len(clean) >= 3 else complete
-    on = [t for b in used.values() for t in b[True][0]]
-    off = [t for b in used.values() for t in b[False][0]]
-    even = [t for r, b in used.items() if r % 2 == 0 for t in b[False][0]]
-    odd = [t for r, b in used.items() if r % 2 == 1 for t in b[False][0]]
+    ratios = [statistic(b[True][0]) / statistic(b[False][0]) for b in used.values()]
+    offs = [statistic(b[False][0]) for b in used.values()]
+    floor = [abs(a / b - 1) for a, b in zip(offs, offs[1:])]
     foreign = [f for b in complete.values() for _, f in b.values() if f is not None]
     return {
-        "on": statistic(on),
-        "off": statistic(off),
-        "overhead": statistic(on) / statistic(off) - 1,
-        "noise_floor": abs(statistic(even) / statistic(odd) - 1) if even and odd else None,
+        "on": statistic([t for b in used.values() for t in b[True][0]]),
+        "off": statistic([t for b in used.values() for t in b[False][0]]),
+        "overhead": statistics.median(ratios) - 1,
+        "noise_floor": statistics.median(floor) if floor else None,
         "rounds": len(complete),
         "clean_rounds": len(clean),
-        "steps_per_setting": len(on),
+        "steps_per_setting": sum(len(b[True][0]) for b in used.values()),
         "foreign_cores_mean": statistics.mean(foreign) if foreign else None,
     }
 
@@ -402,6 +423,8 @@ def run(args: Any = None) -> dict:
         "monitor_batches_per_setting": callback["steps_per_setting"],
         "monitor_gathers": fit["gathers"],
         "monitor_last_bubble": fit["bubble"],
+        "monitor_hook_ms_per_batch": fit["hook_seconds"] / max(1, fit["on_batches"]) * 1e3,
+        "monitor_hook_fraction": fit["hook_seconds"] / fit["on_seconds"] if fit["on_seconds"] else None,
         "foreign_cores_mean": _mean_of(recording["foreign_cores_mean"], callback["foreign_cores_mean"]),
         "monitor_overhead": callback["overhead"],
     }
