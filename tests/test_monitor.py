@@ -132,6 +132,22 @@ def test_a_step_that_runs_exactly_as_simulated_measures_as_simulated(schedule, p
             assert ts_m == pytest.approx(ts_p) and dur_m == pytest.approx(dur_p)
 
 
+def test_overlapping_all_to_alls_get_their_own_trace_lanes():
+    cfg = make_config("1f1b", 2, 1, 2)
+    records = _hand_made()
+    # With the one already there ([0.2, 0.9]): two in flight from 0.5 to 0.9, the third fits after.
+    records[0].spans += [Span("a2a", 1, 0, 0.5, 1.5), Span("a2a", 0, 0, 1.0, 1.2)]
+    events = [e for e in merged_trace(records, cfg)["traceEvents"] if e.get("cat") == "a2a"]
+    lanes = {(e["args"]["microbatch"], round(e["ts"])): e["tid"] for e in events}
+    assert lanes == {(0, 200_000): 3, (1, 500_000): 4, (0, 1_000_000): 3}
+    by_lane: dict = {}
+    for e in events:
+        by_lane.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_lane.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
 def test_busy_time_excludes_only_waits_inside_each_action():
     spans = [Span("F", 0, 0, 0.0, 2.0), Span("recv_wait", 0, 0, 1.5, 3.0), Span("B", 0, 0, 2.5, 4.0),
              Span("recv_wait", 0, 0, 5.0, 6.0)]
@@ -173,6 +189,7 @@ def test_trace_and_png_of_hand_made_spans(tmp_path):
     planned_b1 = next(e for e in events if e["pid"] == 0 and e["args"]["track"] == "planned" and e["name"] == "B1.0")
     assert planned_b1["ts"] + planned_b1["dur"] == pytest.approx(9.0e6)  # simulator, measured costs
     assert sum(e["cat"] == "recv_wait" for e in events) == 4 and sum(e["cat"] == "optimizer" for e in events) == 1
+    assert [(e["cat"], e["tid"]) for e in events if e["cat"].startswith("a2a")] == [("a2a", 3), ("a2a_wait", 2)]
     assert trace["otherData"]["ideal_bubble_fraction"] == pytest.approx(1 / 3)
     assert trace["otherData"]["step"] == 3
 

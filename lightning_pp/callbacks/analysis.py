@@ -20,10 +20,12 @@ Definitions (one training step, ``n`` ranks):
   ``bubble_fraction`` formulas with ``busy`` and ``pipeline_makespan`` measured.
 * **Per-action cost**: the mean busy time of each compute kind over all ranks.
 * **Ideal**: :func:`~lightning_pp.schedules.simulate` of the same :class:`ScheduleConfig` with a
-  :class:`CostModel` whose ``forward`` / ``backward`` are the measured mean ``F`` / ``B`` costs and
-  free communication, i.e. the bubble this schedule would have with these compute costs, balanced
-  stages and no overheads. With several data-parallel pipelines every pipeline rank ``p`` is
-  compared with the simulator's rank ``p``.
+  :class:`CostModel` whose ``forward`` / ``backward`` are the measured mean ``F`` / ``B`` busy
+  times less their all-to-all waits, whose ``a2a_forward`` / ``a2a_backward`` are those waits
+  (in a plain ``F`` / ``B`` nothing hides them), and with free point-to-point: the bubble this
+  schedule would have with these costs, balanced stages, no overheads and, for ``FB`` actions,
+  perfect overlap. With several data-parallel pipelines every pipeline rank ``p`` is compared
+  with the simulator's rank ``p``.
 * **Hidden all-to-all** = ``1 - exposed / total``: ``exposed`` is the ``a2a_wait`` time, ``total``
   the time of ``a2a`` spans (each all-to-all from launch until it is known complete). ``None``
   until a runtime records ``a2a`` spans.
@@ -207,6 +209,8 @@ class PipelineStats:
     a2a_total: float
     a2a_hidden: Optional[float]
     ideal: SimulationResult
+    compute_costs: dict = field(default_factory=dict)  # kind -> mean busy seconds less all-to-all waits
+    a2a_costs: dict = field(default_factory=dict)  # kind -> mean all-to-all wait seconds inside one action
     extra: list = field(default_factory=list)  # each record's ``extra``
 
     @property
@@ -290,24 +294,33 @@ def merge_intervals(intervals: list, gap: float = 0.0) -> list:
     return out
 
 
+def _compute_spans(spans: Sequence[Span]) -> list[Span]:
+    return sorted((s for s in spans if s.kind in COMPUTE_KINDS), key=lambda s: (s.start, s.end))
+
+
+def _covered(compute: list[Span], spans: Sequence[Span], kind: str) -> list[float]:
+    """For each compute span (in start order), the time inside it covered by spans of ``kind``."""
+    intervals = merge_intervals([(s.start, s.end) for s in spans if s.kind == kind and s.end > s.start])
+    out = []
+    first = 0  # intervals before this index end before the current action starts (actions are ordered)
+    for span in compute:
+        while first < len(intervals) and intervals[first][1] <= span.start:
+            first += 1
+        covered = 0.0
+        k = first
+        while k < len(intervals) and intervals[k][0] < span.end:
+            covered += max(0.0, min(span.end, intervals[k][1]) - max(span.start, intervals[k][0]))
+            k += 1
+        out.append(covered)
+    return out
+
+
 def compute_busy(spans: Sequence[Span]) -> list[tuple[Span, float, float]]:
     """``(span, busy seconds, recv wait seconds)`` of each compute action, in start order. The
     wait is the part of the action covered by ``recv_wait`` spans."""
-    compute = sorted((s for s in spans if s.kind in COMPUTE_KINDS), key=lambda s: (s.start, s.end))
-    waits = merge_intervals([(s.start, s.end) for s in spans if s.kind == RECV_WAIT and s.end > s.start])
-    out = []
-    first = 0  # waits before this index end before the current action starts (actions are ordered)
-    for span in compute:
-        while first < len(waits) and waits[first][1] <= span.start:
-            first += 1
-        waited = 0.0
-        k = first
-        while k < len(waits) and waits[k][0] < span.end:
-            waited += max(0.0, min(span.end, waits[k][1]) - max(span.start, waits[k][0]))
-            k += 1
-        duration = max(0.0, span.end - span.start)
-        out.append((span, duration - waited, waited))
-    return out
+    compute = _compute_spans(spans)
+    waits = _covered(compute, spans, RECV_WAIT)
+    return [(span, max(0.0, span.end - span.start) - waited, waited) for span, waited in zip(compute, waits)]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -334,9 +347,12 @@ def _coordinates(records: list[RankTimeline], config: ScheduleConfig) -> list[tu
     return out
 
 
-def ideal_costs(costs: dict) -> CostModel:
-    """The simulator's cost model for measured mean action costs (seconds); communication free.
-    Without plain ``F`` / ``B`` actions a combined ``FB`` is split 1:2, the usual ratio."""
+def ideal_costs(costs: dict, a2a: Optional[dict] = None) -> CostModel:
+    """The simulator's cost model for measured mean action costs (seconds): ``costs`` the compute
+    time of ``F`` / ``B`` (and ``FB``) actions, ``a2a`` the all-to-all wait of plain ``F`` / ``B``
+    actions (exposed there: nothing overlaps it), which the simulator adds to those actions and
+    overlaps with compute in ``FB`` ones. Point-to-point is free. Without plain ``F`` / ``B``
+    actions a combined ``FB`` is split 1:2, the usual ratio."""
     forward, backward = costs.get("F"), costs.get("B")
     if "FB" in costs and (forward is None or backward is None):
         if forward is None and backward is None:
@@ -345,7 +361,9 @@ def ideal_costs(costs: dict) -> CostModel:
             forward = max(0.0, costs["FB"] - backward)
         else:
             backward = max(0.0, costs["FB"] - forward)
-    return CostModel(forward=float(forward or 0.0), backward=float(backward or 0.0))
+    a2a = a2a or {}
+    return CostModel(forward=float(forward or 0.0), backward=float(backward or 0.0),
+                     a2a_forward=float(a2a.get("F", 0.0)), a2a_backward=float(a2a.get("B", 0.0)))
 
 
 def analyze(spans_per_rank: Sequence[Any], config: ScheduleConfig, alignment: str = "auto") -> PipelineStats:
@@ -369,11 +387,18 @@ def analyze(spans_per_rank: Sequence[Any], config: ScheduleConfig, alignment: st
     busy = [sum(b for _, b, _ in items) for items in per_rank]
     waited = [sum(w for _, _, w in items) for items in per_rank]
     by_kind: dict = {}
-    for items in per_rank:
-        for span, b, _ in items:
+    compute_by_kind: dict = {}
+    a2a_by_kind: dict = {}
+    for record, items in zip(records, per_rank):
+        a2a_waits = _covered([span for span, _, _ in items], record.spans, A2A_WAIT)
+        for (span, b, _), a2a_wait in zip(items, a2a_waits):
             by_kind.setdefault(span.kind, []).append(b)
+            compute_by_kind.setdefault(span.kind, []).append(b - a2a_wait)
+            a2a_by_kind.setdefault(span.kind, []).append(a2a_wait)
     costs = {kind: _mean(values) for kind, values in by_kind.items()}
     counts = {kind: len(values) for kind, values in by_kind.items()}
+    compute_costs = {kind: _mean(values) for kind, values in compute_by_kind.items()}
+    a2a_costs = {kind: _mean(values) for kind, values in a2a_by_kind.items()}
 
     if length > 0:
         rank_bubble = [1.0 - b / length for b in busy]
@@ -403,7 +428,9 @@ def analyze(spans_per_rank: Sequence[Any], config: ScheduleConfig, alignment: st
         a2a_exposed=a2a_exposed,
         a2a_total=a2a_total,
         a2a_hidden=a2a_hidden,
-        ideal=simulate(config, ideal_costs(costs)),
+        ideal=simulate(config, ideal_costs(compute_costs, a2a_costs)),
+        compute_costs=compute_costs,
+        a2a_costs=a2a_costs,
         extra=[r.extra for r in records],
     )
 

@@ -39,14 +39,31 @@ from lightning_pp.schedules import ScheduleConfig, chrome_trace
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-PLANNED_TID, MEASURED_TID, WAITS_TID = 0, 1, 2
+PLANNED_TID, MEASURED_TID, WAITS_TID, A2A_TID = 0, 1, 2, 3
 _TRACK_NAMES = {
     PLANNED_TID: "planned (simulator, measured costs)",
     MEASURED_TID: "measured",
     WAITS_TID: "waits (p2p receive, all-to-all)",
 }
 _CATEGORY = {"F": "forward", "B": "backward", "FB": "forward_backward", "W": "weight_grad"}
-_WAIT_KINDS = (RECV_WAIT, A2A_WAIT, A2A)
+_WAIT_KINDS = (RECV_WAIT, A2A_WAIT)
+
+
+def _lanes(spans: list) -> list[int]:
+    """Lane of each span (in the given order) such that spans in one lane never overlap: trace
+    viewers draw a thread's events as a stack and garble partial overlaps. All-to-alls of
+    different microbatches can be in flight together."""
+    lane_end: list = []
+    out = [0] * len(spans)
+    for index in sorted(range(len(spans)), key=lambda i: (spans[i].start, spans[i].end)):
+        span = spans[index]
+        lane = next((k for k, end in enumerate(lane_end) if end <= span.start), len(lane_end))
+        if lane == len(lane_end):
+            lane_end.append(span.end)
+        else:
+            lane_end[lane] = span.end
+        out[index] = lane
+    return out
 
 
 def _prepare(spans_per_rank: Sequence[Any], config: ScheduleConfig, alignment: str,
@@ -60,8 +77,9 @@ def _prepare(spans_per_rank: Sequence[Any], config: ScheduleConfig, alignment: s
 def merged_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, step: Optional[int] = None,
                  alignment: str = "auto", stats: Optional[PipelineStats] = None) -> dict:
     """The Chrome/Perfetto trace dict: one process per rank with a planned track, a measured
-    track (compute actions and the optimizer step) and a waits track (``recv_wait``, ``a2a_wait``,
-    ``a2a``). Every event's ``args`` says its track, microbatch and chunk."""
+    track (compute actions and the optimizer step), a waits track (``recv_wait``, ``a2a_wait``)
+    and, with expert parallelism, tracks of the all-to-alls in flight (``a2a``, launch to
+    completion). Every event's ``args`` says its track, microbatch and chunk."""
     records, stats = _prepare(spans_per_rank, config, alignment, stats)
     zero = stats.window[0]
     us = 1e6
@@ -100,11 +118,22 @@ def merged_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, step: Op
                 "ts": (span.start + offset - zero) * us, "dur": (span.end - span.start) * us,
                 "pid": pid, "tid": MEASURED_TID, "args": args,
             })
+        transfers = [span for span in record.spans if span.kind == A2A]
+        lanes = _lanes(transfers)
+        for lane in range(max(lanes, default=-1) + 1):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": A2A_TID + lane,
+                           "args": {"name": f"all-to-all in flight ({lane + 1})"}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": A2A_TID + lane,
+                           "args": {"sort_index": A2A_TID + lane}})
+        lane_of = {id(span): lane for span, lane in zip(transfers, lanes)}
         for span in record.spans:
             if span.kind in _WAIT_KINDS:
                 tid, label = WAITS_TID, f"{span.kind} mb{span.microbatch}"
                 args = {"track": "waits", "microbatch": span.microbatch,
                         ("stage" if span.kind == RECV_WAIT else "chunk"): span.chunk}
+            elif span.kind == A2A:
+                tid, label = A2A_TID + lane_of[id(span)], f"a2a mb{span.microbatch}"
+                args = {"track": "a2a", "microbatch": span.microbatch, "chunk": span.chunk}
             elif span.kind == OPTIMIZER:
                 tid, label, args = MEASURED_TID, "optimizer", {"track": "measured"}
             else:
