@@ -252,7 +252,7 @@ class PipelineExecutor:
     # -- machinery ----------------------------------------------------------------------------
     def _guarded(self, fn):
         position = self.position
-        position.step, position.in_step = self.steps_done, True
+        position.step, position.in_step, position.failed = self.steps_done, True, False
         try:
             if self.watchdog is not None:
                 self.watchdog.activate(self._ref)
@@ -292,6 +292,7 @@ class PipelineExecutor:
 
     def _on_failure(self, exc: BaseException) -> None:
         where = self.where()
+        self.position.failed = True  # published as "failed": peers diagnosing a stall skip this rank
         self.p2p.reset()
         self.grad_sync.abandon()
         watchdog = self.watchdog

@@ -166,16 +166,17 @@ class Position:
     """Where this rank's pipeline is. The main thread writes these plain attributes (no lock, no
     I/O: a few attribute stores per action); the watchdog thread reads them."""
 
-    __slots__ = ("step", "in_step", "action", "waiting")
+    __slots__ = ("step", "in_step", "action", "waiting", "failed")
 
     def __init__(self) -> None:
         self.step = 0
         self.in_step = False
         self.action = None  # the schedule Action being run, or None
         self.waiting: Optional[tuple[Optional[int], str]] = None  # (peer global rank or None, what)
+        self.failed = False  # the step is failing: this rank is reporting, not computing
 
     def snapshot(self) -> tuple:
-        return self.step, self.in_step, self.action, self.waiting
+        return self.step, self.in_step, self.action, self.waiting, self.failed
 
 
 STORE_GONE = (
@@ -285,7 +286,9 @@ class Watchdog:
     def _describe(self, executor, since: float, now: float) -> dict:
         position = executor.position
         waiting = position.waiting
-        if not position.in_step:
+        if position.failed:
+            state = "failed"
+        elif not position.in_step:
             state = "idle"
         elif waiting is not None:
             state = "wait"
@@ -430,10 +433,8 @@ class Diagnosis:
         rank may be the one) to a rank that is not waiting, and describe why it is to blame."""
         visited: list[int] = []
         rank = start
-        while True:
-            if rank is None:
-                return self._stalled_in_collective(visited)
-            if rank in visited or len(visited) > self.world_size:
+        while rank is not None:
+            if rank in visited:
                 chain = " -> ".join(str(r) for r in visited + [rank])
                 return (
                     f"the pipeline is deadlocked: every rank is waiting for another (global ranks {chain}); "
@@ -447,25 +448,40 @@ class Diagnosis:
             verdict = self._verdict(rank, beat)
             if verdict is not None:
                 return verdict
+            if beat is None or beat["state"] != "wait":
+                break  # busy only briefly, or failing itself: look for the rank that is really stuck
             rank = beat["peer"]
+        return self._stalled_anywhere(visited, start)
 
-    def _stalled_in_collective(self, visited: list[int]) -> str:
+    def _stalled_anywhere(self, visited: list[int], start: Optional[int]) -> str:
+        unpublished = []
         for rank in range(self.world_size):
             if rank in visited:
                 continue
             beat = self.board.position(rank)
             if self.board.unreachable:
                 return self._store_gone(None)
+            if beat is None:
+                unpublished.append(rank)
+                continue
             verdict = self._verdict(rank, beat)
             if verdict is not None:
                 return verdict
-        return "every rank is waiting in a collective or for a peer, and none has been silent: cause unknown"
+        if unpublished:
+            return (f"{self.describe(unpublished[0])} never published its position: it has not built its "
+                    f"pipeline (pipeline_timeout={self.timeout_seconds:g}s)")
+        who = "a collective" if start is None else self.describe(start)
+        return (f"{who} did not complete within pipeline_timeout={self.timeout_seconds:g}s, and no rank looks "
+                f"stuck (all are waiting or only briefly busy): cause unknown")
 
     def _verdict(self, rank: int, beat: Optional[dict]) -> Optional[str]:
-        """Why ``rank`` is to blame, or ``None`` if it is itself waiting for someone."""
+        """Why ``rank`` is to blame, or ``None`` if it is not (it is waiting for someone, failing
+        itself, or has been busy for less than half the timeout, i.e. it is progressing)."""
         limit = f"pipeline_timeout={self.timeout_seconds:g}s"
         if beat is None:
-            return f"{self.describe(rank)} never published its position: it has not built its pipeline ({limit})"
+            return None
+        if beat["state"] == "left":
+            return f"{beat['where']} has left the pipeline (closed it or exited) ({limit})"
         silent = self._silent_for(beat)
         if silent > self.config.silence_limit:
             return (
@@ -473,16 +489,16 @@ class Diagnosis:
                 f"or its host unreachable ({limit})"
             )
         for_seconds = time.time() - float(beat["since"])
+        if for_seconds < self.timeout_seconds / 2:
+            return None
         if beat["state"] == "compute":
             return (
                 f"{beat['where']} is stuck: it has been computing for {for_seconds:.1f}s without reaching its "
                 f"next transfer ({limit})"
             )
-        if beat["state"] == "left":
-            return f"{beat['where']} has left the pipeline (closed it or exited) ({limit})"
         if beat["state"] == "idle":
             return (
                 f"{beat['where']} is stuck outside the pipeline step: {for_seconds:.1f}s after its step "
                 f"{beat['step']} it has not started the next one (e.g. blocked in user code) ({limit})"
             )
-        return None
+        return None  # waiting, or failing itself
