@@ -50,6 +50,10 @@ def main(argv=None) -> dict:
         report = getattr(mod, "format_report", None)
         if report is not None:
             print(report(res))
+        else:
+            for name, value in res.items():
+                if isinstance(value, (int, float, str)):
+                    print(f"{name}: {value:.4f}" if isinstance(value, float) else f"{name}: {value}")
         for name, path in keys.items():
             value = res
             for part in path.split("/"):
@@ -57,19 +61,19 @@ def main(argv=None) -> dict:
             figures[name] = value
 
     section("Runtime vs torch.distributed.pipelining", "bench_vs_torch",
-            {"quick": None, "steps": 10 if q else 30, "warmup": 2, "wait_quiet": 0.0},
+            {"quick": None, "steps": 20 if q else 30, "warmup": 2, "wait_quiet": 0.0},
             {"ratio_vs_torch_1f1b": "ratio_vs_torch_1f1b", "ratio_vs_torch_interleaved": "ratio_vs_torch_interleaved"})
     section("Measured vs simulated bubble", "bench_bubble", argparse.Namespace(
-        hidden=512, microbatches=8, steps=6 if q else 20, quick=False),
+        hidden=512, microbatches=8, steps=12 if q else 20, quick=False),
         {"bubble_measured_over_simulated": "bubble_measured_over_simulated"})
     section("All-to-all hidden by combined 1F1B (emulated link)", "bench_a2a_overlap",
-            argparse.Namespace(delay=0.0015, quick=q),
+            argparse.Namespace(delay=0.0015, quick=False),
             {"a2a_hidden_fraction": "a2a_hidden_fraction", "a2a_hidden_fraction_ideal": "a2a_hidden_fraction_ideal"})
     section("Peak memory per rank", "bench_memory", argparse.Namespace(
         hidden=512, batch=256, microbatches=8, steps=4, quick=q),
         {"peak_memory_ratio_vs_torch": "peak_memory_ratio_vs_torch",
          "peak_memory_over_1f1b_bound": "peak_memory_over_1f1b_bound"})
-    section("Timeline recording and monitor overhead", "bench_monitor_overhead", {"quick": q, "wait_quiet": 0.0},
+    section("Timeline recording and monitor overhead", "bench_monitor_overhead", {"wait_quiet": 0.0},
             {"monitor_overhead": "monitor_overhead", "timeline_overhead": "timeline_overhead"})
     figures["schedule_generate_simulate_seconds"] = _schedule_seconds(q)
 
