@@ -460,7 +460,7 @@ def main() -> None:
     print("config: " + " ".join(f"{k}={v}" for k, v in out.pop("config").items()))
     monitor_overhead = out.pop("monitor_overhead")
     for name, value in out.items():
-        print(f"{name}: {value:.4f}" if isinstance(value, float) else f"{name}: {value}")
+        print(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}")
     print(f"monitor_overhead: {monitor_overhead:.4f}")
 
 
