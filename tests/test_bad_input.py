@@ -5,7 +5,9 @@ Configuration errors are found before any communication, identically on every ra
 middle of a step (a layer returning a non-tensor, a loss that is not a scalar) happen on one rank;
 here that rank's process stays alive (as under a driver that catches the exception), so the peer
 learns of it only through its own timeout and the failure board: the strictest case. A stage output
-that changes dtype or rank between microbatches is caught on both sides of the boundary at once.
+that changes dtype or rank between microbatches is caught on both sides of the boundary at once
+(once a step repeats its shapes and sends without headers, by the sender, and the receiver learns
+it through the board).
 
 One spawn runs every case, each in a fresh process group; the tests check each case.
 """
@@ -34,15 +36,19 @@ def _boundary_layer(model):
     return model.blocks[0]  # last layer of stage 0 with pp=2 and 4 layers
 
 
-def _change_at_microbatch_1(model, change):
+def _change_at_microbatch_1(model, change, step=0):
+    """``change`` the boundary output of microbatch 1 in step ``step``."""
     from lightning_pp.runtime.context import current
 
     layer = _boundary_layer(model)
     original = layer.forward
+    seen = {"steps": -1}
 
     def forward(x):
         out = original(x)
-        return change(out) if current().microbatch == 1 else out
+        if current().microbatch == 0:
+            seen["steps"] += 1
+        return change(out) if current().microbatch == 1 and seen["steps"] == step else out
 
     layer.forward = forward
 
@@ -67,11 +73,14 @@ def _case(name):
         _change_at_microbatch_1(model, lambda out: out.double())
     elif name == "rank_change":
         _change_at_microbatch_1(model, lambda out: out.unsqueeze(1))
+    elif name == "dtype_change_repeated_shapes":
+        # the second step repeats the first one's shapes, so it sends without headers
+        _change_at_microbatch_1(model, lambda out: out.double(), step=1)
     return model, base
 
 
 CASES = ["layout_sum", "virtual_unfillable", "microbatches_negative", "microbatches_vs_schedule",
-         "non_tensor_output", "loss_not_scalar", "dtype_change", "rank_change"]
+         "non_tensor_output", "loss_not_scalar", "dtype_change", "rank_change", "dtype_change_repeated_shapes"]
 
 
 def _all_cases(rank, world, ports):
@@ -88,7 +97,9 @@ def _all_cases(rank, world, ports):
         model, kwargs = _case(name)
         start = time.monotonic()
         try:
-            build_pipeline(model, **kwargs).train_step((torch.randn(8, 5), torch.randn(8, 3)))
+            executor = build_pipeline(model, **kwargs)
+            for _ in range(2):
+                executor.train_step((torch.randn(8, 5), torch.randn(8, 3)))
             outcome = "no error"
         except Exception as exc:  # noqa: BLE001 - the message is what is tested
             outcome = f"{type(exc).__name__}: {exc}"
@@ -115,6 +126,8 @@ EXPECTED = {
                      "this step carried float32 2-D", 1.0),
     "rank_change": ("activations into virtual stage 1: microbatch 1 carries float32 3-D but microbatch 0 of "
                     "this step carried float32 2-D", 1.0),
+    "dtype_change_repeated_shapes": ("activations into virtual stage 1: microbatch 1 carries float64 2-D but "
+                                     "microbatch 0 of this step carried float32 2-D", TIMEOUT_S + 3),
 }
 
 
@@ -130,3 +143,5 @@ def test_bad_input_fails_every_rank_quickly_with_the_message(outcomes, case):
             assert "PipelineError" in message and "failed" in message  # learnt from the failing rank
         if case in ("dtype_change", "rank_change"):  # both sides found it themselves
             assert message.startswith("StageBoundaryError"), message
+        if case == "dtype_change_repeated_shapes" and rank == 1:  # no header to check: the board tells it
+            assert message.startswith("PipelineError"), message

@@ -215,6 +215,11 @@ class PointToPoint:
         payload = tuple(t.detach().contiguous() for t in tensors)
         peer = self.peer_rank(dst)
         if self.fast:
+            # A change of dtype or rank inside the step gets its own explanation; the receiver,
+            # whose receives are posted without a header, learns it through the failure board.
+            mismatch = self._check_signature(message, signature(tensors, as_tuple), "sends")
+            if mismatch is not None:
+                raise StageBoundaryError(mismatch)
             cached = self.specs[self.mode].get((dst, message))
             if cached != spec:
                 raise StageBoundaryError(
