@@ -244,8 +244,12 @@ class Watchdog:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
-        self.board.publish(self.rank, {"where": f"rank {self.rank}", "state": "left", "beat": time.time(),
-                                       "since": time.time(), "step": -1, "peer": None, "what": None})
+        self._publish_left()
+
+    def _publish_left(self) -> None:
+        now = time.time()
+        self.board.publish(self.rank, {"where": f"rank {self.rank}", "state": "left", "beat": now, "since": now,
+                                       "step": -1, "peer": None, "what": None})
 
     def _at_exit(self) -> None:
         # A daemon thread caught by interpreter shutdown inside a C++ store call aborts the process:
@@ -336,6 +340,7 @@ class Watchdog:
             )
             sys.stderr.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            self._publish_left()  # the store's host need not wait for this rank's heartbeat to stop
         finally:
             os._exit(WATCHDOG_EXIT_CODE)
 
