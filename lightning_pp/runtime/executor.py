@@ -55,7 +55,7 @@ from lightning_pp.runtime.p2p import PointToPoint
 from lightning_pp.runtime.partition import Partition, default_pipeline_inputs
 from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
-from lightning_pp.schedules import Action, ScheduleConfig, rank_actions
+from lightning_pp.schedules import ScheduleConfig, rank_actions
 from lightning_pp.schedules.messages import Message, send_order
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)

@@ -24,7 +24,11 @@ Three mechanisms, all through the job's key-value store (the ``TCPStore`` every
 
 One watchdog thread serves a whole process (a process has one main thread, and a test or a
 notebook may build several pipelines in it); executors register with it and the most recently
-active one is the position it publishes.
+active one is the position it publishes. When the last executor is closed, or at interpreter exit,
+the thread stops and the rank marks itself as left. Rank 0, which serves the store under
+Lightning's launchers and ``init_process_group``, then waits (bounded) until every other rank has
+left or fallen silent, so a failure it recorded before exiting stays readable to them. When rank 0
+itself dies, the store goes with it: peers then say so, naming rank 0 as the likely cause.
 """
 
 from __future__ import annotations
@@ -407,7 +411,7 @@ class Diagnosis:
                 time.sleep(self.config.heartbeat_interval / 2)
             if self.board.unreachable:
                 return self._store_gone(None)
-            return f"a member of a collective went away (which one is unknown: no rank stopped its heartbeat)"
+            return "a member of a collective went away (which one is unknown: no rank stopped its heartbeat)"
         return self._stalled(exc.peer)
 
     # -- the cases ----------------------------------------------------------------------------
