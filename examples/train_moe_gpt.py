@@ -248,10 +248,14 @@ def main(argv=None) -> dict:
     tokens_per_s = steps * args.batch_size * dp * args.context / seconds
     summary = {"unigram_baseline": baseline, "val_loss": val, "steps": steps, "seconds": seconds,
                "tokens_per_s": tokens_per_s}
-    if monitor is not None and getattr(monitor, "last_summary", None):
-        summary.update(monitor.last_summary)
+    stats = monitor.last_stats if monitor is not None else None
+    if stats is not None:  # the pipeline summary of the last analysed step
+        summary.update(bubble_fraction=stats.bubble_fraction, simulated_bubble_fraction=stats.ideal_bubble)
+        if stats.a2a_hidden is not None:
+            summary["a2a_hidden_fraction"] = stats.a2a_hidden
     samples = generate(trainer, model, [b"def ", b"import", b"class ", b"    ret"][: args.microbatches] or [b"def "],
                        args.generate) if args.generate else []
+    log_dir = trainer.log_dir  # collective: every rank asks
     if trainer.is_global_zero:
         print(f"\nunigram baseline: {baseline:.3f} nats/byte   validation loss: {val:.3f} nats/byte "
               f"({'below' if val < baseline else 'NOT below'} the baseline)")
@@ -259,6 +263,9 @@ def main(argv=None) -> dict:
         for key in ("bubble_fraction", "simulated_bubble_fraction", "a2a_hidden_fraction"):
             if key in summary:
                 print(f"{key}: {summary[key]:.3f}")
+        pictures = sorted(Path(log_dir or out).rglob("pipeline_timeline_step*.png"))
+        if pictures:
+            print(f"timeline picture: {pictures[-1]}")
         print(f"checkpoints: {out / 'checkpoints'}   logs: {loggers[0].log_dir}")
         for text in samples:
             print("---\n" + text.decode("utf-8", errors="replace"))

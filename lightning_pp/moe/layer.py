@@ -317,9 +317,9 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state: dict = {}
         hidden, permuted, probs = self._attn_route(state, x)
-        received = _Dispatch.apply(permuted, self, state)
+        received = _Exchange.apply(permuted, self._dispatch, self._dispatch_backward, state)
         expert_out = self._experts(state, received)
-        combined = _Combine.apply(expert_out, self, state)
+        combined = _Exchange.apply(expert_out, self._combine, self._combine_backward, state)
         if not torch.is_grad_enabled() and self.pool is not None and state.get("slot") is not None:
             self.pool.release(state["slot"])  # no backward will come for this microbatch
         return self._post(state, hidden, combined, probs)
@@ -370,31 +370,20 @@ def _timed_wait(work) -> None:
         wait_for([work], ctx.timeline, ctx.microbatch, ctx.chunk)
 
 
-class _Dispatch(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """A synchronous all-to-all inside autograd: ``forward_fn(state, x)`` and
+    ``backward_fn(state, grad)`` each return ``(output, work)`` and are waited on here (the plain
+    execution mode; the node mode calls the same functions without waiting)."""
+
     @staticmethod
-    def forward(ctx, permuted, layer: MoEBlock, state: dict):
-        ctx.layer, ctx.state = layer, state
-        out, work = layer._dispatch(state, permuted)
+    def forward(ctx, x, forward_fn, backward_fn, state: dict):
+        ctx.backward_fn, ctx.state = backward_fn, state
+        out, work = forward_fn(state, x)
         _timed_wait(work)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out, work = ctx.layer._dispatch_backward(ctx.state, grad)
+        out, work = ctx.backward_fn(ctx.state, grad)
         _timed_wait(work)
-        return out, None, None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, expert_out, layer: MoEBlock, state: dict):
-        ctx.layer, ctx.state = layer, state
-        out, work = layer._combine(state, expert_out)
-        _timed_wait(work)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out, work = ctx.layer._combine_backward(ctx.state, grad)
-        _timed_wait(work)
-        return out, None, None
+        return out, None, None, None
