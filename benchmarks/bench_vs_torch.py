@@ -566,7 +566,7 @@ def format_report(result: dict) -> str:
         f"batch {cfg['batch']}, {cfg['microbatches']} microbatches, SGD; >= {cfg['steps']} measured steps per "
         f"implementation (+{cfg['warmup']} warm-up), alternating blocks of {cfg['block_size']}"
         + (f", until {cfg['min_clean']} uncontended (max {cfg['max_steps']})" if cfg["min_clean"] else ""),
-        f"CPU load by other processes just before the start: "
+        "CPU load by other processes just before the start: "
         + ("n/a" if result.get("load_before_start") is None else f"{result['load_before_start']:.2f} cores"),
         "",
         f"{'schedule':<12} {'impl':<6} {'n':>4} {'median ms':>10} {'q25':>9} {'q75':>9} {'IQR':>8} {'min':>9}   "

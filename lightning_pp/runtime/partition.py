@@ -20,7 +20,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
-import torch
 from torch import nn
 
 REQUIRED_METHODS = ("pipeline_layers", "pipeline_loss")
