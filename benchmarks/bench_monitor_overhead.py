@@ -39,18 +39,16 @@ the figures as a dict.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import pickle
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import launch  # noqa: E402
 
 WORLD_SIZE = 2
 DEFAULTS = {
@@ -311,58 +309,12 @@ class _Load:
         return max(0.0, (busy - self.busy - float(own[0])) / wall)
 
 
-def _worker(rank: int, port: int, cfg: dict, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-        result = {"runtime": _runtime_part(cfg, rank), "fit": _fit_part(cfg, rank)}
-        queue.put((rank, True, pickle.dumps(result)))
-    except BaseException as exc:
-        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+def _measure(rank: int, world: int, cfg: dict) -> dict:
+    return {"runtime": _runtime_part(cfg, rank), "fit": _fit_part(cfg, rank)}
 
 
 def _launch(cfg: dict) -> list:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, cfg, queue), daemon=True) for r in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + cfg["timeout"]
-    results: dict = {}
-    errors: dict = {}
-    try:
-        while len(results) + len(errors) < WORLD_SIZE and time.monotonic() < deadline:
-            try:
-                rank, ok, value = queue.get(timeout=0.5)
-            except Exception:
-                if all(not p.is_alive() for p in procs) and queue.empty():
-                    break
-                continue
-            (results if ok else errors)[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors or len(results) < WORLD_SIZE:
-        detail = "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or "no result (deadline or crash)"
-        raise RuntimeError(f"benchmark failed:\n{detail}")
-    return [pickle.loads(results[r]) for r in range(WORLD_SIZE)]
+    return launch(_measure, WORLD_SIZE, cfg, timeout=cfg["timeout"])
 
 
 def _compare(blocks: list, statistic) -> dict:

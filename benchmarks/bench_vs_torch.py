@@ -42,15 +42,14 @@ returns the same figures as a dict for ``benchmarks/run_all.py``.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import pickle
-import socket
 import statistics
 import sys
 import time
-import traceback
 from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import launch  # noqa: E402
 
 WORLD_SIZE = 2  # = pipeline parallel size; the machine has 2 cores
 
@@ -333,33 +332,18 @@ def _bench_schedule(cfg: dict, schedule: str, topology, batch, rank: int) -> dic
     return {"layout": ours.layout, "check": check, "times": times, "foreign": foreign, "blocks": blocks}
 
 
-def _worker(rank: int, port: int, cfg: dict, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+def _measure(rank: int, world: int, cfg: dict) -> dict:
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-        from lightning_pp.runtime import build_topology
+    from lightning_pp.runtime import build_topology
 
-        topology = build_topology(WORLD_SIZE)
-        g = torch.Generator().manual_seed(cfg["seed"] + 1)
-        batch = (
-            torch.randn(cfg["batch"], cfg["hidden"], generator=g),
-            torch.randn(cfg["batch"], cfg["hidden"], generator=g),
-        )
-        results = {s: _bench_schedule(cfg, s, topology, batch, rank) for s in cfg["schedules"]}
-        queue.put((rank, True, pickle.dumps(results)))
-    except BaseException as exc:
-        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+    topology = build_topology(world)
+    g = torch.Generator().manual_seed(cfg["seed"] + 1)
+    batch = (
+        torch.randn(cfg["batch"], cfg["hidden"], generator=g),
+        torch.randn(cfg["batch"], cfg["hidden"], generator=g),
+    )
+    return {s: _bench_schedule(cfg, s, topology, batch, rank) for s in cfg["schedules"]}
 
 
 def _wait_quiet(max_wait: float, window: float = 2.0, threshold: float = 0.15) -> Optional[float]:
@@ -377,52 +361,9 @@ def _wait_quiet(max_wait: float, window: float = 2.0, threshold: float = 0.15) -
             return load
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(cfg: dict) -> dict:
     """Run the workers; rank 0's results. Kills everything at ``cfg['timeout']`` seconds."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, cfg, queue), daemon=True) for r in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + cfg["timeout"]
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    all_dead_since = None
-    try:
-        while len(results) + len(errors) < WORLD_SIZE and time.monotonic() < deadline:
-            try:
-                rank, ok, value = queue.get(timeout=0.5)
-            except Exception:
-                if all(not p.is_alive() for p in procs):
-                    all_dead_since = all_dead_since or time.monotonic()
-                    if time.monotonic() - all_dead_since > 3.0:
-                        break
-                continue
-            (results if ok else errors)[rank] = value
-            if errors:  # the peer is likely stuck in a collective: do not wait for it
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=5.0 if not errors else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors or len(results) < WORLD_SIZE:
-        timed_out = time.monotonic() >= deadline
-        lines = [f"rank {r}: {e}" for r, e in sorted(errors.items())]
-        for r in range(WORLD_SIZE):
-            if r not in results and r not in errors:
-                lines.append(f"rank {r}: no result ({'killed at the timeout' if timed_out else 'died'})")
-        raise RuntimeError("bench_vs_torch failed:\n" + "\n".join(lines))
-    return pickle.loads(results[0])
+    return launch(_measure, WORLD_SIZE, cfg, timeout=cfg["timeout"])[0]
 
 
 # -- statistics and reporting -----------------------------------------------------------------

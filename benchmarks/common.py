@@ -7,6 +7,7 @@ import os
 import pickle
 import socket
 import statistics
+import time
 import traceback
 from typing import Any, Callable
 
@@ -18,42 +19,66 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
+    except BaseException as exc:
+        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise SystemExit(1)
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
 
 
 def launch(fn: Callable, world: int, *args: Any, timeout: float = 600.0) -> list:
-    """``fn(rank, world, *args)`` on ``world`` spawned gloo processes (one thread each)."""
+    """``fn(rank, world, *args)`` on ``world`` spawned gloo processes (one thread each); the
+    results by rank. A rank's error (or a rank that died, or the deadline) ends every process at
+    once and raises with each rank's message."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    results = {}
+    deadline = time.monotonic() + timeout
+    results: dict = {}
+    errors: dict = {}
+    all_dead_since = None
     try:
-        for _ in range(world):
-            rank, ok, value = queue.get(timeout=timeout)
-            if not ok:
-                raise RuntimeError(f"benchmark rank {rank} failed:\n{value}")
-            results[rank] = pickle.loads(value)
+        while len(results) + len(errors) < world and time.monotonic() < deadline:
+            try:
+                rank, ok, value = queue.get(timeout=0.5)
+            except Exception:
+                if all(not p.is_alive() for p in procs):
+                    all_dead_since = all_dead_since or time.monotonic()
+                    if time.monotonic() - all_dead_since > 3.0:  # let the queue's pipe drain
+                        break
+                continue
+            (results if ok else errors)[rank] = value
+            if errors:  # the peers are likely stuck in a collective: do not wait for them
+                break
     finally:
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=5.0 if not errors else 0.5)
+        for p in procs:
             if p.is_alive():
                 p.kill()
-    return [results[r] for r in range(world)]
+                p.join()
+    if errors or len(results) < world:
+        timed_out = time.monotonic() >= deadline
+        lines = [f"rank {r}: {e}" for r, e in sorted(errors.items())]
+        lines += [f"rank {r}: no result ({'killed at the timeout' if timed_out else 'died'})"
+                  for r in range(world) if r not in results and r not in errors]
+        raise RuntimeError("benchmark failed:\n" + "\n".join(lines))
+    return [pickle.loads(results[r]) for r in range(world)]
 
 
 def summary(values: list[float]) -> dict:
