@@ -329,37 +329,27 @@ class MoEBlock(nn.Module):
         def attn(state, x):
             return self._attn_route(state, x)
 
-        def dispatch(state, hidden, permuted, probs):
-            out, work = self._dispatch(state, permuted)
-            state["event"].add(work)
-            return hidden, out, probs
+        def exchange(fn):
+            """A comm node's function: ``fn`` launches the all-to-all on the middle tensor (tokens
+            or their gradient); the work joins the microbatch's event; the others pass through."""
+            def run(state, hidden, tokens, probs):
+                out, work = fn(state, tokens)
+                state["event"].add(work)
+                return hidden, out, probs
 
-        def dispatch_bwd(state, g_hidden, g_received, g_probs):
-            out, work = self._dispatch_backward(state, g_received)
-            state["event"].add(work)
-            return g_hidden, out, g_probs
+            return run
 
         def mlp(state, hidden, received, probs):
             return hidden, self._experts(state, received), probs
-
-        def combine(state, hidden, expert_out, probs):
-            out, work = self._combine(state, expert_out)
-            state["event"].add(work)
-            return hidden, out, probs
-
-        def combine_bwd(state, g_hidden, g_combined, g_probs):
-            out, work = self._combine_backward(state, g_combined)
-            state["event"].add(work)
-            return g_hidden, out, g_probs
 
         def post(state, hidden, combined, probs):
             return (self._post(state, hidden, combined, probs),)
 
         return LayerNodes(
             ScheduleNode(attn, "attn"),
-            ScheduleNode(dispatch, "dispatch", comm=True, backward_fn=dispatch_bwd),
+            ScheduleNode(exchange(self._dispatch), "dispatch", comm=True, backward_fn=exchange(self._dispatch_backward)),
             ScheduleNode(mlp, "mlp"),
-            ScheduleNode(combine, "combine", comm=True, backward_fn=combine_bwd),
+            ScheduleNode(exchange(self._combine), "combine", comm=True, backward_fn=exchange(self._combine_backward)),
             ScheduleNode(post, "post"),
         )
 
