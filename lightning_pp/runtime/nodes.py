@@ -26,13 +26,17 @@ so that the dispatch and combine of one hide behind the compute of the other::
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import nullcontext
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
+from torch.autograd.variable import Variable
 
 Tensors = tuple  # tuple of tensors
+_NO_STREAM = nullcontext()  # reusable: nullcontext keeps no state
+_ENGINE = Variable._execution_engine
 
 
 # -- streams and events ------------------------------------------------------------------------
@@ -49,7 +53,7 @@ class StreamSet:
     def context(self, comm: bool):
         if self.cuda and comm:
             return torch.cuda.stream(self.comm)
-        return nullcontext()
+        return _NO_STREAM
 
 
 class PlanEvent:
@@ -136,7 +140,9 @@ class ScheduleNode:
                         roots.append(out)
                         root_grads.append(grad)
                 if roots:
-                    torch.autograd.backward(roots, root_grads)
+                    # The engine directly (as torch.autograd.backward does after checking its
+                    # arguments): this runs for every compute node, so the checks' cost shows.
+                    _ENGINE.run_backward(tuple(roots), tuple(root_grads), False, False, (), True, True)
                 in_grads = tuple(
                     (t.grad if t.grad is not None else torch.zeros_like(t))
                     if isinstance(t, torch.Tensor) and t.requires_grad else None
@@ -237,15 +243,27 @@ class ChunkSchedulePlan(AbstractSchedulePlan):
         f_layers = f_plan.layers if f_plan is not None else []
         b_layers = list(reversed(b_plan.layers)) if b_plan is not None else []
         x, g = f_input, b_grad
+        # A forward layer's post node (which waits for its combine) is held back until the next
+        # backward layer has launched its combine-backward: the combine then hides behind the
+        # backward attention *and* the next layer's post-backward (see _overlapped_layer).
+        deferred: Optional[LayerPlan] = None
         for i in range(max(len(f_layers), len(b_layers))):
             f = f_layers[i] if i < len(f_layers) else None
             b = b_layers[i] if i < len(b_layers) else None
+            if b is not None:
+                g = b.backward_slots(("post", "combine"), g)  # launches b's combine-backward
+            if deferred is not None:
+                x = deferred.nodes.post.forward(deferred, x)
+                deferred = None
             if f is None:
-                g = b.backward_slots(BACKWARD_SLOTS, g)
+                g = b.backward_slots(("mlp", "dispatch", "attn"), g)
             elif b is None:
                 x = f.forward_slots(FORWARD_SLOTS, x)
             else:
                 x, g = _overlapped_layer(f, b, x, g)
+                deferred = f
+        if deferred is not None:
+            x = deferred.nodes.post.forward(deferred, x)
         if f_plan is not None:
             f_plan.event.wait()
             f_plan.output = x
@@ -259,36 +277,43 @@ def _overlapped_layer(f: LayerPlan, b: LayerPlan, x: Tensors, g: Tensors) -> tup
     hides behind (Megatron's pairing)::
 
         combine_bwd(b) || attn_fwd(f);  dispatch_fwd(f) || mlp_bwd(b);
-        dispatch_bwd(b) || mlp_fwd(f);  combine_fwd(f) || attn_bwd(b)
+        dispatch_bwd(b) || mlp_fwd(f);  combine_fwd(f) || attn_bwd(b) [+ next post_bwd]
 
-    Megatron issues mlp_bwd(b) before dispatch_fwd(f) because a GPU host never blocks on compute;
-    here every collective is issued first, which gives the same pairs on CUDA streams and also
-    lets the CPU backend (where compute runs on the issuing thread) overlap them."""
+    The caller has already run ``b``'s post-backward and launched its combine-backward, and runs
+    ``f``'s post node later (after the next backward layer's combine-backward is launched, or at
+    the end). Megatron issues mlp_bwd(b) before dispatch_fwd(f) because a GPU host never blocks
+    on compute; here every collective is issued first, which gives the same pairs on CUDA streams
+    and also lets the CPU backend (where compute runs on the issuing thread) overlap them."""
     fn, bn = f.nodes, b.nodes
-    g = bn.post.backward(b, g)
-    g = bn.combine.backward(b, g)       # launch comm(b) ...
-    x = fn.attn.forward(f, x)           # ... under f's attention and routing
+    x = fn.attn.forward(f, x)           # hides b's combine-backward
     x = fn.dispatch.forward(f, x)       # launch comm(f) ...
     g = bn.mlp.backward(b, g)           # ... under b's expert backward (waits for b's combine)
     g = bn.dispatch.backward(b, g)      # launch comm(b) ...
     x = fn.mlp.forward(f, x)            # ... under f's experts (wait for f's dispatch)
     x = fn.combine.forward(f, x)        # launch comm(f) ...
     g = bn.attn.backward(b, g)          # ... under b's attention backward
-    x = fn.post.forward(f, x)
     return x, g
 
 
 class LaunchedWork:
     """An async collective and when it was launched (on the step's timeline clock), so the
     timeline can show each all-to-all from launch to completion (``a2a``) next to the time
-    compute waited for it (``a2a_wait``)."""
+    compute waited for it (``a2a_wait``).
 
-    def __init__(self, work: Any, launched: Optional[float], delay: float = 0.0) -> None:
+    ``on_cpu``: the collective runs on a CPU backend (gloo), whose transfers progress on the
+    process group's worker thread. With every core busy computing, that thread would wait for a
+    scheduler tick before it picks the work up; yielding once right after the launch lets it
+    start the transfer at once (on a 2-core machine this halves the wait at the far end). CUDA
+    collectives progress on the device and need no help."""
+
+    def __init__(self, work: Any, launched: Optional[float], delay: float = 0.0, on_cpu: bool = False) -> None:
         self.work = work
         self.launched = launched
         # An emulated slower link (benchmarks): complete no earlier than ``delay`` seconds after
         # launch; the wait sleeps, burning no CPU.
         self.ready_at = time.perf_counter() + delay if delay > 0 else 0.0
+        if on_cpu and work is not None:
+            os.sched_yield()
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         if self.work is not None:
