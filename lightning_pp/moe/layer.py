@@ -225,26 +225,37 @@ class MoEBlock(nn.Module):
         token_of = order // self.top_k
         counts = torch.bincount(flat_expert[order], minlength=self.num_experts)
         state.update(shape=(b, s, h), token_of=token_of, counts=counts, capacity=capacity)
+        self._launch_counts(state)  # travels while the tokens are gathered
         return hidden, tokens[token_of], topk_probs.reshape(-1)[order]
 
-    def _exchange_counts(self, state: dict) -> None:
+    def _launch_counts(self, state: dict) -> None:
+        """Start the exchange of per-expert token counts (how many rows each rank will send)."""
         counts = state["counts"]
-        local = self.num_local_experts
         if self.ep_size > 1:
             recv = torch.empty_like(counts)
-            dist.all_to_all_single(recv, counts, group=self.ep_group)
+            work = dist.all_to_all_single(recv, counts, group=self.ep_group, async_op=True)
+            state["counts_exchange"] = (recv, LaunchedWork(work, None, on_cpu=counts.device.type == "cpu"))
         else:
-            recv = counts
+            state["counts_exchange"] = (counts, None)
+
+    def _exchange_counts(self, state: dict) -> None:
+        """Finish the counts exchange and derive the all-to-all splits and the expert-major order."""
+        recv, work = state.pop("counts_exchange")
+        if work is not None:
+            work.wait()
+        local = self.num_local_experts
         recv = recv.view(self.ep_size, local)
-        state["send_splits"] = counts.view(self.ep_size, local).sum(1).tolist()
+        state["send_splits"] = state["counts"].view(self.ep_size, local).sum(1).tolist()
         state["recv_splits"] = recv.sum(1).tolist()
         # Received rows are grouped by source rank, then by local expert; the experts want them
-        # grouped by expert. expert_major[i] = source-major row index of expert-major row i.
-        offsets = torch.cumsum(recv.flatten(), 0) - recv.flatten()
-        offsets = offsets.view(self.ep_size, local)
-        rows = [torch.arange(int(offsets[src, e]), int(offsets[src, e] + recv[src, e]), device=counts.device)
-                for e in range(local) for src in range(self.ep_size)]
-        state["expert_major"] = torch.cat(rows) if rows else counts.new_zeros(0)
+        # grouped by expert. expert_major[i] = source-major row index of expert-major row i:
+        # block (src, e) starts at source-major row src_start[src, e]; walking the blocks in
+        # expert-major order, row i of a block lies at src_start + (i - that block's expert-major start).
+        src_start = (torch.cumsum(recv.flatten(), 0) - recv.flatten()).view(self.ep_size, local)
+        lengths = recv.t().reshape(-1)
+        em_start = torch.cumsum(lengths, 0) - lengths
+        shift = torch.repeat_interleave(src_start.t().reshape(-1) - em_start, lengths)
+        state["expert_major"] = torch.arange(shift.numel(), device=recv.device) + shift
         state["expert_counts"] = recv.sum(0).tolist()
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits):
@@ -258,7 +269,7 @@ class MoEBlock(nn.Module):
             out.copy_(inp)
         if work is None and self.a2a_delay <= 0:
             return None
-        return LaunchedWork(work, launched, self.a2a_delay)
+        return LaunchedWork(work, launched, self.a2a_delay, on_cpu=out.device.type == "cpu")
 
     def _dispatch(self, state: dict, permuted: torch.Tensor):
         self._exchange_counts(state)
