@@ -44,6 +44,7 @@ def _run(rank, world, cases):
         pools = [b.pool.stats for b in model.blocks if hasattr(b, "pool") and b.pool is not None]
         stats = dict(after_warmup=sum(s.allocations_after_warmup for s in pools),
                      allocations=sum(s.allocations for s in pools), staged=sum(s.staged_bytes for s in pools),
+                     zero_copy=sum(s.zero_copy_bytes for s in pools),
                      a2a_waits=sum(1 for sp in executor.timeline.spans if sp.kind == "a2a_wait"))
         out.append((losses, grads, params, stats))
     return out
@@ -97,6 +98,9 @@ def test_staging_buffers_do_not_grow_after_the_first_step():
     case = dict(pp=1, ep=2, vp=1, m=4, batch=8, schedule="combined_1f1b", capacity=2.0)
     for (_, _, _, stats), in run_distributed(_run, 2, [case], timeout=200):
         assert stats["allocations"] > 0 and stats["staged"] > 0
+        # Every combine sent straight from a persistent buffer (the experts wrote into it), and
+        # it moved as many bytes as the dispatch-backward staged: both are the received rows.
+        assert stats["zero_copy"] == stats["staged"]
         assert stats["after_warmup"] == 0
 
 

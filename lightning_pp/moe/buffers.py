@@ -1,19 +1,26 @@
-"""Persistent staging buffers for expert dispatch (zero-copy staging).
+"""Persistent staging buffers for expert dispatch and combine (zero-copy staging).
 
-The dispatch all-to-all writes the tokens a rank receives straight into a persistent buffer, and
-the backward of dispatch stages its incoming gradient into a persistent backward buffer before the
-reverse all-to-all (:func:`stage_dispatch_bwd_grad`). The combine's input (the expert output) is
-not staged on the CPU path: it is the experts' own autograd output. Buffers are allocated once per in-flight microbatch slot (a slot is
-taken at a microbatch's dispatch forward and returned after its dispatch backward, because the
-experts keep the received tokens for their backward), sized from the capacity or grown to a
+Per in-flight microbatch a slot holds three persistent buffers of ``rows x hidden``:
+
+* ``fwd``: the dispatch all-to-all writes the tokens a rank receives straight into it, and the
+  experts read them from there;
+* ``cmb``: the experts write their outputs straight into it, already back in received order
+  (:func:`scatter_rows_into`), and the combine all-to-all sends from it: no copy between the
+  expert computation and the transfer;
+* ``bwd``: the backward of dispatch stages its incoming gradient there before the reverse
+  all-to-all (:func:`stage_dispatch_bwd_grad`, one copy, counted).
+
+A slot is taken at a microbatch's dispatch forward and returned after its dispatch backward
+(the experts keep the received tokens for their backward), sized from the capacity or grown to a
 high-water mark, and never freed or resized while training. Backends:
 
 * CPU / gloo: plain persistent tensors;
 * CUDA: ``torch.distributed._symmetric_memory`` when available (``symm_mem.empty`` +
   ``rendezvous`` on the expert group), else plain device tensors.
 
-Counters: ``allocations`` (buffers created or grown), ``staged_bytes`` (gradient bytes copied by
-the dispatch-backward staging) and ``allocations_after_warmup``.
+Counters: ``allocations`` (buffers created or grown), ``allocations_after_warmup``,
+``staged_bytes`` (gradient bytes copied by the dispatch-backward staging) and
+``zero_copy_bytes`` (bytes the combine sent straight from a persistent buffer).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class BufferStats:
     allocations: int = 0
     allocations_after_warmup: int = 0
     staged_bytes: int = 0
+    zero_copy_bytes: int = 0
     peak_slots: int = 0
     warm: bool = False
 
@@ -89,7 +97,7 @@ class StagingPool:
             self.slots.append({})
             self.stats.peak_slots = max(self.stats.peak_slots, len(self.slots))
         bufs = self.slots[slot]
-        for kind in ("fwd", "bwd"):
+        for kind in ("fwd", "cmb", "bwd"):
             if kind not in bufs or bufs[kind].shape[0] < rows:
                 bufs[kind] = self._allocate(self._rows_for(rows))
         return slot
@@ -97,8 +105,21 @@ class StagingPool:
     def forward_buffer(self, slot: int, rows: int) -> torch.Tensor:
         return self.slots[slot]["fwd"][:rows]
 
+    def combine_buffer(self, slot: int, rows: int) -> torch.Tensor:
+        return self.slots[slot]["cmb"][:rows]
+
     def backward_buffer(self, slot: int, rows: int) -> torch.Tensor:
         return self.slots[slot]["bwd"][:rows]
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory lies inside one of the pool's buffers."""
+        ptr = tensor.data_ptr()
+        for bufs in self.slots:
+            for buf in bufs.values():
+                start = buf.data_ptr()
+                if start <= ptr < start + buf.numel() * buf.element_size():
+                    return True
+        return False
 
     def release(self, slot: int) -> None:
         self.free.append(slot)
@@ -122,3 +143,32 @@ def stage_dispatch_bwd_grad(pool: StagingPool, slot: int, grad: torch.Tensor) ->
     pool.stats.staged_bytes += grad.numel() * grad.element_size()
     return buf
 
+
+
+class _ScatterRowsInto(torch.autograd.Function):
+    """Writes ``parts`` (consecutive row blocks) to rows ``index`` of ``holder[0]``, a persistent
+    buffer, and returns that buffer: the producer's output *is* the staging buffer. The buffer
+    is handed over inside a list so that autograd does not track it as an input (its other
+    microbatches' contents must stay out of this graph); backward gathers the rows back."""
+
+    @staticmethod
+    def forward(ctx, index: torch.Tensor, holder: list, *parts: torch.Tensor) -> torch.Tensor:
+        buf = holder[0]
+        start = 0
+        for part in parts:
+            buf.index_copy_(0, index[start:start + part.shape[0]], part)
+            start += part.shape[0]
+        ctx.save_for_backward(index)
+        ctx.sizes = [p.shape[0] for p in parts]
+        return buf
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return (None, None, *grad.index_select(0, index).split(ctx.sizes))
+
+
+def scatter_rows_into(buf: torch.Tensor, index: torch.Tensor, parts: list) -> torch.Tensor:
+    """``buf[index] = cat(parts)`` as a differentiable function of ``parts`` whose result is
+    ``buf`` itself (used to write expert outputs straight into the combine's staging buffer)."""
+    return _ScatterRowsInto.apply(index, [buf], *parts)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pp.moe.buffers import StagingPool, stage_dispatch_bwd_grad
+from lightning_pp.moe.buffers import StagingPool, scatter_rows_into, stage_dispatch_bwd_grad
 from lightning_pp.runtime import context
 from lightning_pp.runtime.nodes import LaunchedWork, LayerNodes, ScheduleNode, wait_for
 
@@ -305,12 +305,20 @@ class MoEBlock(nn.Module):
         for e, count in enumerate(state["expert_counts"]):
             outputs.append(self.experts[first + e](grouped[start:start + count]))
             start += count
+        slot = state.get("slot")
+        if self.pool is not None and slot is not None and all(o.dtype == self.pool.dtype for o in outputs):
+            # Zero-copy: the experts' rows land in the combine's persistent send buffer, back in
+            # received order.
+            return scatter_rows_into(self.pool.combine_buffer(slot, grouped.shape[0]), index, outputs)
         expert_out = torch.cat(outputs) if outputs else grouped
         return torch.empty_like(expert_out).index_copy(0, index, expert_out)
 
     def _combine(self, state: dict, expert_out: torch.Tensor):
         out = expert_out.new_empty((sum(state["send_splits"]), expert_out.shape[1]))
-        work = self._a2a(out, expert_out.detach().contiguous(), state["send_splits"], state["recv_splits"])
+        send = expert_out.detach().contiguous()
+        if self.pool is not None and self.pool.owns(send):
+            self.pool.stats.zero_copy_bytes += send.numel() * send.element_size()
+        work = self._a2a(out, send, state["send_splits"], state["recv_splits"])
         return out, work
 
     def _combine_backward(self, state: dict, grad: torch.Tensor):
