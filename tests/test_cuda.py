@@ -71,6 +71,7 @@ def test_symmetric_staging_buffers_on_one_gpu():
     buf = pool.forward_buffer(slot, 100)
     assert buf.is_cuda and buf.shape == (100, 64) and pool.symmetric
     pool.release(slot)
-    assert pool.acquire(90) == slot and pool.stats.allocations == 2  # reused, not reallocated
+    assert pool.acquire(90) == slot and pool.stats.allocations == 3  # reused, not reallocated
+    assert pool.combine_buffer(slot, 90).is_cuda and pool.owns(pool.combine_buffer(slot, 90))
     pool.reset()
     dist.destroy_process_group()
