@@ -116,3 +116,55 @@ def test_experts_not_divisible_by_expert_parallel_size():
     with pytest.raises(DistributedFailure) as info:
         run_distributed(_bad_experts, 2, timeout=60)
     assert all("num_experts=3 is not divisible by expert_parallel_size=2" in e for e in info.value.errors.values())
+
+
+def _expert_misbehaves(rank, world, bad_rank, how):
+    import datetime
+    import time
+
+    from lightning_pp.moe.layer import Expert
+    from lightning_pp.runtime import WatchdogConfig, build_pipeline
+
+    torch.manual_seed(0)
+    model = TinyMoELM()
+    executor = build_pipeline(model, pipeline_parallel_size=2, expert_parallel_size=2, num_microbatches=4,
+                              schedule="combined_1f1b", timeout=datetime.timedelta(seconds=30 if how == "raise" else 3),
+                              watchdog=WatchdogConfig(heartbeat_interval=0.5, exit_grace=3.0))
+    if rank == bad_rank:
+        expert = next(m for m in model.modules() if isinstance(m, Expert))
+        forward = expert.forward
+
+        def broken(x):
+            if executor.steps_done == 1:
+                if how == "hang":
+                    time.sleep(600)  # alive, heartbeating, never progressing
+                raise RuntimeError("injected failure in an expert")
+            return forward(x)
+
+        expert.forward = broken
+    for batch in token_batches(0, 8, 6, 3):
+        executor.train_step(batch)
+    return "finished"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "hang"])
+def test_expert_failing_mid_step_brings_every_rank_down_naming_it(how):
+    # Rank 3's expert raises (or hangs) in step 2; its expert-parallel peer (rank 2) is then waiting
+    # in an expert all-to-all and the other stage in point-to-point transfers: all must end, naming
+    # rank 3 (a hung rank is ended by its own watchdog).
+    with pytest.raises(DistributedFailure) as info:
+        run_distributed(_expert_misbehaves, 4, 3, how, timeout=90)
+    failure = info.value
+    assert all(code not in (0, None) for code in failure.exitcodes.values()), failure.exitcodes
+    assert failure.elapsed < 60, f"took {failure.elapsed:.1f}s to bring every rank down"
+    assert set(failure.errors) == {0, 1, 2, 3}
+    for rank, message in failure.errors.items():
+        if how == "hang" and rank == 3:
+            from lightning_pp.runtime import WATCHDOG_EXIT_CODE
+
+            assert failure.exitcodes[3] == WATCHDOG_EXIT_CODE  # ended by its watchdog (message on stderr)
+            continue
+        assert "rank 3 (pp=1, dp=1, ep=1)" in message, f"rank {rank}: {message}"
+        if how == "raise":
+            assert "injected failure in an expert" in message, f"rank {rank}: {message}"

@@ -241,8 +241,7 @@ class MoEBlock(nn.Module):
     def _exchange_counts(self, state: dict) -> None:
         """Finish the counts exchange and derive the all-to-all splits and the expert-major order."""
         recv, work = state.pop("counts_exchange")
-        if work is not None:
-            work.wait()
+        _timed_wait(work)
         local = self.num_local_experts
         recv = recv.view(self.ep_size, local)
         state["send_splits"] = state["counts"].view(self.ep_size, local).sum(1).tolist()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 
 @dataclass
@@ -19,6 +19,9 @@ class MicrobatchContext:
     microbatch: int = -1
     chunk: int = -1
     timeline: Optional[object] = None
+    # ``wait(work, what)``: waits for an in-step collective with the pipeline's timeout, turning a
+    # failure into an error that names the rank that failed first (None: a plain ``work.wait()``).
+    wait: Optional[Callable[[Any, str], None]] = None
 
 
 _current = MicrobatchContext()
@@ -29,10 +32,10 @@ def current() -> MicrobatchContext:
 
 
 @contextmanager
-def microbatch_context(loss_weight: float, microbatch: int, chunk: int, timeline=None) -> Iterator[None]:
+def microbatch_context(loss_weight: float, microbatch: int, chunk: int, timeline=None, wait=None) -> Iterator[None]:
     global _current
     previous = _current
-    _current = MicrobatchContext(loss_weight, microbatch, chunk, timeline)
+    _current = MicrobatchContext(loss_weight, microbatch, chunk, timeline, wait)
     try:
         yield
     finally:

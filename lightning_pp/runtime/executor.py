@@ -452,7 +452,7 @@ class PipelineExecutor:
 
     def _context(self, microbatch: int, chunk_id: int):
         samples = batch_size(self._batches[microbatch]) or 1
-        return microbatch_context(float(samples), microbatch, chunk_id, self.timeline)
+        return microbatch_context(float(samples), microbatch, chunk_id, self.timeline, self._wait_collective)
 
     def _new_plan(self, microbatch: int, chunk_id: int) -> ChunkSchedulePlan:
         return ChunkSchedulePlan(self.partition.chunks[chunk_id].layers, self.streams, self.timeline, microbatch, chunk_id)

@@ -34,6 +34,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 from torch.autograd.variable import Variable
 
+from lightning_pp.runtime import context
+
 Tensors = tuple  # tuple of tensors
 _NO_STREAM = nullcontext()  # reusable: nullcontext keeps no state
 _ENGINE = Variable._execution_engine
@@ -326,18 +328,24 @@ class LaunchedWork:
 
 def wait_for(works: Sequence[Any], timeline=None, microbatch: int = -1, chunk: int = -1) -> None:
     """Wait for ``works``, recording the wait (``a2a_wait``) and each launched transfer's span
-    (``a2a``: from launch until it was seen complete) on ``timeline``."""
-    if timeline is None or not timeline.enabled:
-        for work in works:
-            work.wait()
-        return
-    start = timeline.now()
+    (``a2a``: from launch until it was seen complete) on ``timeline``. Inside a pipelined step
+    each wait is bounded by the pipeline timeout, and a failed one names the rank that failed
+    first (the executor's waiter, from the microbatch context)."""
+    waiter = context.current().wait
+    what = f"the expert all-to-all of microbatch {microbatch} (chunk {chunk})"
+    recording = timeline is not None and timeline.enabled
+    start = timeline.now() if recording else 0.0
     for work in works:
-        before = timeline.now()
-        work.wait()
-        after = timeline.now()
-        launched = getattr(work, "launched", None)
-        if launched is not None:
-            # Already complete when the wait began: it finished at the latest then.
-            timeline.add("a2a", microbatch, chunk, launched, after if after - before > 1e-5 else before)
-    timeline.add("a2a_wait", microbatch, chunk, start, timeline.now())
+        before = timeline.now() if recording else 0.0
+        if waiter is not None:
+            waiter(work, what)
+        else:
+            work.wait()
+        if recording:
+            after = timeline.now()
+            launched = getattr(work, "launched", None)
+            if launched is not None:
+                # Already complete when the wait began: it finished at the latest then.
+                timeline.add("a2a", microbatch, chunk, launched, after if after - before > 1e-5 else before)
+    if recording:
+        timeline.add("a2a_wait", microbatch, chunk, start, timeline.now())
