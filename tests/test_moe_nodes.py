@@ -72,3 +72,59 @@ def test_overlapped_moe_nodes_equal_plain_autograd(device):
         assert stats.zero_copy_bytes == stats.staged_bytes > 0
         if device == "cuda":
             assert block.pool.slots[0]["cmb"].is_cuda
+
+
+class _Logged(torch.nn.Module):
+    """A layer with its own five nodes (like an MoE block), each appending to ``log`` when run.
+    Its comm nodes are identities with explicit backward, as a real exchange's would be."""
+
+    def __init__(self, name, log):
+        super().__init__()
+        self.name, self.log = name, log
+        self.scale = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def schedule_nodes(self):
+        from lightning_pp.runtime.nodes import LayerNodes, ScheduleNode
+
+        def compute(slot):
+            def run(state, x):
+                self.log.append(("F", self.name, slot))
+                return (x * self.scale,)
+            return ScheduleNode(run, slot)
+
+        def comm(slot):
+            def fwd(state, x):
+                self.log.append(("F", self.name, slot))
+                return (x.detach().clone(),)
+
+            def bwd(state, g):
+                self.log.append(("B", self.name, slot))
+                return (g.clone(),)
+            return ScheduleNode(fwd, slot, comm=True, backward_fn=bwd)
+
+        return LayerNodes(compute("attn"), comm("dispatch"), compute("mlp"), comm("combine"), compute("post"))
+
+
+def test_layers_that_communicate_are_paired_with_each_other():
+    # A first pipeline stage: [dense embedding, MoE 1, MoE 2]. The forward goes 1 then 2, the
+    # backward 2 then 1; pairing by position would put MoE 2's backward with the embedding's
+    # forward (nothing to hide its exchanges behind). Expected: both dense parts run on their
+    # own, MoE 1 forward pairs with MoE 2 backward and MoE 2 forward with MoE 1 backward.
+    log = []
+    embed = torch.nn.Linear(2, 2).double()
+    layers = [embed, _Logged("m1", log), _Logged("m2", log)]
+    streams = StreamSet(torch.device("cpu"))
+    first, second = ChunkSchedulePlan(layers, streams), ChunkSchedulePlan(layers, streams)
+    x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    (y,) = first.forward((x,))
+    log.clear()
+    (y2,), (gx,) = ChunkSchedulePlan.run(second, first, (x,), (torch.ones_like(y),))
+    comm_order = [(d, n, s) for d, n, s in log if s in ("dispatch", "combine")]
+    assert comm_order == [
+        ("B", "m2", "combine"), ("F", "m1", "dispatch"), ("B", "m2", "dispatch"), ("F", "m1", "combine"),
+        ("B", "m1", "combine"), ("F", "m2", "dispatch"), ("B", "m1", "dispatch"), ("F", "m2", "combine"),
+    ]
+    # Numbers: each MoE layer scales by 1.5 three times (attn, mlp, post), so the input gradient
+    # is 1.5 ** 6 times the embedding's weight, summed over its outputs.
+    want = torch.ones_like(y) * 1.5 ** 6 @ embed.weight
+    torch.testing.assert_close(gx, want)

@@ -194,7 +194,10 @@ class LayerPlan:
 
     def __init__(self, layer: torch.nn.Module, event: PlanEvent) -> None:
         build = getattr(layer, "schedule_nodes", None)
-        self.nodes: LayerNodes = build() if callable(build) else dense_nodes(layer)
+        # A layer with its own nodes communicates (expert all-to-all): it is paired with another
+        # such layer of the other microbatch. A dense layer is one compute node.
+        self.communicates = callable(build)
+        self.nodes: LayerNodes = build() if self.communicates else dense_nodes(layer)
         self.event = event
         self.state: dict = {"event": event}
 
@@ -239,31 +242,53 @@ class ChunkSchedulePlan(AbstractSchedulePlan):
     @staticmethod
     def run(f_plan: Optional["ChunkSchedulePlan"], b_plan: Optional["ChunkSchedulePlan"],
             f_input: Optional[Tensors] = None, b_grad: Optional[Tensors] = None):
-        """Forward ``f_plan`` from ``f_input`` and backward ``b_plan`` from ``b_grad``, layer pairs
+        """Forward ``f_plan`` from ``f_input`` and backward ``b_plan`` from ``b_grad``, layers
         interleaved (forward layers in order, backward layers in reverse). Returns
-        ``(forward outputs, input grads)``; either side may be None."""
+        ``(forward outputs, input grads)``; either side may be None.
+
+        Layers that communicate are paired with each other (Megatron keeps the embedding and the
+        output layer outside its layer pairing for the same reason): pairing an MoE layer with a
+        dense one would leave the MoE layer's all-to-all only the dense layer's compute to hide
+        behind. Dense layers run on their own, backward ones first (they need nothing from the
+        forward side, so a forward combine still in flight keeps hiding behind them)."""
         f_layers = f_plan.layers if f_plan is not None else []
         b_layers = list(reversed(b_plan.layers)) if b_plan is not None else []
         x, g = f_input, b_grad
+        i = j = 0
         # A forward layer's post node (which waits for its combine) is held back until the next
         # backward layer has launched its combine-backward: the combine then hides behind the
         # backward attention *and* the next layer's post-backward (see _overlapped_layer).
         deferred: Optional[LayerPlan] = None
-        for i in range(max(len(f_layers), len(b_layers))):
+        while i < len(f_layers) or j < len(b_layers):
             f = f_layers[i] if i < len(f_layers) else None
-            b = b_layers[i] if i < len(b_layers) else None
+            b = b_layers[j] if j < len(b_layers) else None
+            if b is not None and not b.communicates:
+                g = b.backward_slots(BACKWARD_SLOTS, g)
+                j += 1
+                continue
+            if f is not None and not f.communicates:
+                if deferred is not None:
+                    x = deferred.nodes.post.forward(deferred, x)
+                    deferred = None
+                x = f.forward_slots(FORWARD_SLOTS, x)
+                i += 1
+                continue
             if b is not None:
                 g = b.backward_slots(("post", "combine"), g)  # launches b's combine-backward
             if deferred is not None:
                 x = deferred.nodes.post.forward(deferred, x)
                 deferred = None
-            if f is None:
-                g = b.backward_slots(("mlp", "dispatch", "attn"), g)
-            elif b is None:
+            if b is None:
                 x = f.forward_slots(FORWARD_SLOTS, x)
+                i += 1
+            elif f is None:
+                g = b.backward_slots(("mlp", "dispatch", "attn"), g)
+                j += 1
             else:
                 x, g = _overlapped_layer(f, b, x, g)
                 deferred = f
+                i += 1
+                j += 1
         if deferred is not None:
             x = deferred.nodes.post.forward(deferred, x)
         if f_plan is not None:
