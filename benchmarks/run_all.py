@@ -5,7 +5,7 @@
 
 Runs each benchmark in turn (each spawns its own gloo processes), prints its table, then the
 summary lines: ratio_vs_torch_1f1b, ratio_vs_torch_interleaved, bubble_measured_over_simulated,
-a2a_hidden_fraction, peak_memory_ratio_vs_torch, monitor_overhead,
+a2a_hidden_fraction, ratio_vs_torch_moe_combined, peak_memory_ratio_vs_torch, monitor_overhead,
 schedule_generate_simulate_seconds, and the supporting figures.
 """
 
@@ -69,6 +69,9 @@ def main(argv=None) -> dict:
     section("All-to-all hidden by combined 1F1B (emulated link)", "bench_a2a_overlap",
             argparse.Namespace(delay=0.0015, quick=False),
             {"a2a_hidden_fraction": "a2a_hidden_fraction", "a2a_hidden_fraction_ideal": "a2a_hidden_fraction_ideal"})
+    section("MoE over a slow expert link vs torch.distributed.pipelining", "bench_moe_vs_torch",
+            argparse.Namespace(delay=0.0015, quick=q),
+            {"ratio_vs_torch_moe_1f1b": "ratio_vs_torch_moe_1f1b", "ratio_vs_torch_moe_combined": "ratio_vs_torch_moe_combined"})
     section("Peak memory per rank", "bench_memory", argparse.Namespace(
         hidden=512, batch=256, microbatches=8, steps=4, quick=q),
         {"peak_memory_ratio_vs_torch": "peak_memory_ratio_vs_torch",
