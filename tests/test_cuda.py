@@ -75,3 +75,16 @@ def test_symmetric_staging_buffers_on_one_gpu():
     assert pool.combine_buffer(slot, 90).is_cuda and pool.owns(pool.combine_buffer(slot, 90))
     pool.reset()
     dist.destroy_process_group()
+
+
+def test_sends_launch_from_the_comm_stream_after_the_compute_they_send():
+    from lightning_pp.runtime.nodes import StreamSet
+
+    streams = StreamSet(torch.device("cuda"))
+    a = torch.randn(2048, 2048, device="cuda")
+    b = a @ a  # queued on the compute stream
+    with streams.sending():
+        assert torch.cuda.current_stream() == streams.comm
+        c = b * 2  # runs on the comm stream: must see b complete
+    torch.cuda.synchronize()
+    torch.testing.assert_close(c, (a @ a) * 2)

@@ -432,6 +432,9 @@ class PipelineExecutor:
                 tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors),
                 as_tuple,
             )
+        elif message.direction == "F" and self._use_plans:
+            with self.streams.sending():  # combined 1F1B: forward sends from the comm stream
+                self.p2p.send(dst, message, tensors, as_tuple)
         else:
             self.p2p.send(dst, message, tensors, as_tuple)
 

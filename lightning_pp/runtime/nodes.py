@@ -57,6 +57,15 @@ class StreamSet:
             return torch.cuda.stream(self.comm)
         return _NO_STREAM
 
+    def sending(self):
+        """Context for launching a stage-boundary send: on CUDA the comm stream, made to wait for
+        the compute issued so far (the tensors being sent), so that the send's launch does not sit
+        behind compute issued later on the compute stream; on CPU nothing."""
+        if not self.cuda:
+            return _NO_STREAM
+        self.comm.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self.comm)
+
 
 class PlanEvent:
     """The baton that orders one microbatch's nodes (see the module docstring)."""
