@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import launch, max_over_ranks, summary  # noqa: E402
+from common import link_args, launch, max_over_ranks, summary  # noqa: E402
 
 
 def _model(cfg: dict):
@@ -162,10 +162,7 @@ def format_report(res: dict) -> str:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--delay", type=float, default=0.0015, help="emulated seconds per expert all-to-all")
-    p.add_argument("--quick", action="store_true")
-    return p.parse_args(argv)
+    return link_args(__doc__, argv)
 
 
 if __name__ == "__main__":

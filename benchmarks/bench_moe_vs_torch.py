@@ -32,7 +32,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_a2a_overlap import _model  # noqa: E402  (the same MoE language model)
-from common import launch, max_over_ranks, summary  # noqa: E402
+from common import link_args, launch, max_over_ranks, summary  # noqa: E402
 
 PP = 2
 LAYOUT = [3, 3]
@@ -155,7 +155,7 @@ def format_report(res: dict) -> str:
     lines = [
         f"MoE LM: {c['blocks']} MoE blocks, hidden {c['hidden']}, {c['experts']} experts top-{c['top_k']}, pp={PP} "
         f"(layout {LAYOUT}), {c['microbatches']} microbatches, emulated link {c['delay'] * 1e3:.1f} ms per expert exchange",
-        f"step-1 losses (equal by check): " + ", ".join(f"{k} {v:.6f}" for k, v in res["losses"].items()),
+        "step-1 losses (equal by check): " + ", ".join(f"{k} {v:.6f}" for k, v in res["losses"].items()),
         f"{'':18}{'median s':>10}{'q1':>10}{'q3':>10}   ({res['steps']['torch_1f1b']['n']} steps each)",
     ]
     for name in IMPLS:
@@ -169,10 +169,7 @@ def format_report(res: dict) -> str:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--delay", type=float, default=0.0015, help="emulated seconds per expert exchange")
-    p.add_argument("--quick", action="store_true")
-    return p.parse_args(argv)
+    return link_args(__doc__, argv)
 
 
 if __name__ == "__main__":

@@ -187,7 +187,6 @@ def _runtime_part(cfg: dict, rank: int) -> dict:
 # -- 3: the callback in a Trainer fit ------------------------------------------------------------------
 def _fit_part(cfg: dict, rank: int) -> dict:
     import lightning as L
-    import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pp import PipelineMonitor, PipelineStrategy

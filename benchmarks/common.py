@@ -95,3 +95,13 @@ def max_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def link_args(doc: str, argv=None):
+    """Command line of the benchmarks with an emulated expert link: ``--delay`` and ``--quick``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--delay", type=float, default=0.0015, help="emulated seconds per expert exchange")
+    p.add_argument("--quick", action="store_true")
+    return p.parse_args(argv)
