@@ -22,13 +22,31 @@ class Block(nn.Module):
         return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
 
 
-class ToyRegressor(nn.Module):
-    """Linear in, residual blocks, linear out; mean squared error."""
+class CheckpointedBlock(Block):
+    """A block that recomputes its activations in backward (torch.utils.checkpoint), as users do
+    to save memory; ``reentrant`` picks the old autograd-Function implementation."""
 
-    def __init__(self, dim_in=5, hidden=8, dim_out=3, blocks=4):
+    def __init__(self, hidden: int, reentrant: bool = False):
+        super().__init__(hidden)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(super().forward, x, use_reentrant=self.reentrant)
+
+
+class ToyRegressor(nn.Module):
+    """Linear in, residual blocks, linear out; mean squared error. ``checkpoint``: None, or
+    ``"reentrant"`` / ``"non_reentrant"`` activation checkpointing in every block."""
+
+    def __init__(self, dim_in=5, hidden=8, dim_out=3, blocks=4, checkpoint=None):
         super().__init__()
         self.embed = nn.Linear(dim_in, hidden)
-        self.blocks = nn.ModuleList(Block(hidden) for _ in range(blocks))
+        self.blocks = nn.ModuleList(
+            Block(hidden) if checkpoint is None else CheckpointedBlock(hidden, reentrant=checkpoint == "reentrant")
+            for _ in range(blocks)
+        )
         self.head = nn.Linear(hidden, dim_out)
 
     def pipeline_layers(self):

@@ -41,6 +41,8 @@ def make_model(kind):
     torch.manual_seed(1234)
     if kind == "regressor":
         return ToyRegressor(blocks=6).double()
+    if kind in ("reentrant", "non_reentrant"):  # activation checkpointing inside the layers
+        return ToyRegressor(blocks=6, checkpoint=kind).double()
     if kind == "tied":
         return TiedLM(blocks=4).double()
     if kind == "tied_sum":
@@ -51,7 +53,7 @@ def make_model(kind):
 
 
 def make_batches(kind, batch):
-    if kind == "regressor":
+    if kind in ("regressor", "reentrant", "non_reentrant"):
         return regression_batches(7, batch)
     if kind in ("tied", "tied_sum"):
         return token_batches(7, batch, seq_lens=[5, 3, 7], pad_some=kind == "tied_sum")  # varying length
@@ -120,6 +122,9 @@ TWO_RANK_CASES = [
     dict(model="tuple", pp=2, m=4, schedule="1f1b", batch=9),  # tuple stage boundary
     dict(model="regressor", pp=2, m=5, schedule="combined_1f1b", batch=11),
     dict(model="tied", pp=2, vp=2, m=4, schedule="combined_1f1b", batch=8),
+    dict(model="non_reentrant", pp=2, m=4, schedule="1f1b", batch=8),  # checkpointed layers
+    dict(model="reentrant", pp=2, vp=2, m=4, schedule="interleaved", batch=8),
+    dict(model="non_reentrant", pp=2, vp=2, m=4, schedule="combined_1f1b", batch=8),
 ]
 
 FOUR_RANK_PP4 = [
