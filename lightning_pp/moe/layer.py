@@ -126,6 +126,7 @@ class _ReleaseOnWait:
     def __init__(self, work, pool: StagingPool, slot: int) -> None:
         self.work, self.pool, self.slot = work, pool, slot
         self.launched = getattr(work, "launched", None)
+        self.host_blocking = getattr(work, "host_blocking", True)
 
     def wait(self, *args, **kwargs):
         if self.work is not None:

@@ -348,6 +348,10 @@ class LaunchedWork:
         # An emulated slower link (benchmarks): complete no earlier than ``delay`` seconds after
         # launch; the wait sleeps, burning no CPU.
         self.ready_at = time.perf_counter() + delay if delay > 0 else 0.0
+        # A gloo wait blocks the host anyway, so it may as well be bounded by the pipeline
+        # timeout; a CUDA wait only orders streams, and bounding it would block the host (the
+        # process group's own watchdog bounds it instead).
+        self.host_blocking = on_cpu
         if on_cpu and work is not None:
             os.sched_yield()
 
@@ -371,7 +375,7 @@ def wait_for(works: Sequence[Any], timeline=None, microbatch: int = -1, chunk: i
     start = timeline.now() if recording else 0.0
     for work in works:
         before = timeline.now() if recording else 0.0
-        if waiter is not None:
+        if waiter is not None and getattr(work, "host_blocking", True):
             waiter(work, what)
         else:
             work.wait()
