@@ -279,7 +279,14 @@ class PointToPoint:
                 channel.arrived[nxt] = self._recv_payload(src, channel, nxt)
         return channel.arrived.pop(message)
 
-    def _wait(self, work, what: str, peer: int, message: Optional[Message] = None) -> None:
+    def _wait(self, work, what: str, peer: int, message: Optional[Message] = None, host: bool = False) -> None:
+        if self.device.type == "cuda" and not host:
+            # Stream-ordered: the current stream waits for the transfer and the host goes on
+            # queueing work. ProcessGroupNCCL's wait(timeout) would block the host until the
+            # transfer is done; the process group's own watchdog bounds this wait instead. Only
+            # a header, which the host must read, is waited for on the host (host=True).
+            work.wait()
+            return
         start = self.timeline.now() if self.timeline is not None and message is not None else None
         global_peer = self.peer_rank(peer)
         position = self.position
@@ -308,7 +315,7 @@ class PointToPoint:
             self.timeline.add("recv_wait", message.microbatch, message.stage, start, self.timeline.now())
 
     def _recv_payload(self, src: int, channel: _Channel, message: Message):
-        self._wait(channel.header_work, f"receiving the header of {message.describe()}", src, message)
+        self._wait(channel.header_work, f"receiving the header of {message.describe()}", src, message, host=True)
         specs, as_tuple = decode_header(channel.header)
         channel.header_work = None
         mismatch = self._check_signature(message, _spec_signature(specs, as_tuple), "receives")
