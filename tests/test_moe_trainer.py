@@ -74,3 +74,53 @@ def test_moe_fit_pp2_ep2_combined_equals_single_device():
             seen.add(name)
         assert last_loss > 0 and (ref_loss is None or last_loss == pytest.approx(ref_loss, rel=1e-6))
     assert seen == set(ref_params)
+
+
+# -- checkpoints re-shard across expert-parallel (and pipeline) sizes ---------------------------------
+RESUME = dict(TRAINER, max_steps=6, enable_checkpointing=True)
+
+
+def _dp(world, pp):
+    return world // pp
+
+
+def _fit_with_checkpoint(rank, world, ckpt_dir, pp, ep, ckpt_path=None):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_pp import PipelineStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.manual_seed(5 if ckpt_path is None else 6)  # a resumed run's weights must come from the checkpoint
+    model = MoEModule()
+    strategy = PipelineStrategy(pipeline_parallel_size=pp, expert_parallel_size=ep, virtual_pipeline_size=2,
+                                schedule="combined_1f1b", num_microbatches=4)
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1)]
+    trainer = L.Trainer(devices=world, strategy=strategy, callbacks=callbacks if ckpt_path is None else [],
+                        default_root_dir=ckpt_dir, **RESUME)
+    dp = _dp(world, pp)
+    trainer.fit(model, _data(16 // dp, dp, rank % dp), ckpt_path=ckpt_path)
+    names = model._lpp_executor.partition.parameter_names
+    return {names[id(p)]: p.detach().clone() for p in model.parameters()}
+
+
+def _merged(per_rank):
+    out = {}
+    for params in per_rank:
+        out.update(params)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_moe_checkpoint_resumes_at_other_expert_and_pipeline_sizes(tmp_path):
+    # pp2 x ep2 (4 processes) trains 6 steps (two epochs), checkpointing after step 3. Resuming
+    # that checkpoint at pp1 x ep2 and at pp2 x ep1 (experts re-sharded: each rank now holds all
+    # four) must end at the uninterrupted run's weights: model and AdamW state re-sharded alike.
+    ckpt = tmp_path / "ckpts"
+    full = _merged(run_distributed(_fit_with_checkpoint, 4, str(ckpt), 2, 2, timeout=200))
+    assert (ckpt / "step=3.ckpt").is_dir()
+    for pp, ep in ((1, 2), (2, 1)):
+        resumed = _merged(run_distributed(_fit_with_checkpoint, 2, str(tmp_path / f"r{pp}{ep}"), pp, ep,
+                                          str(ckpt / "step=3.ckpt"), timeout=200))
+        assert set(resumed) == set(full)
+        for name, value in resumed.items():
+            torch.testing.assert_close(value, full[name], rtol=1e-9, atol=1e-12, msg=f"pp={pp} ep={ep}: {name}")
