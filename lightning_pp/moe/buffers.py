@@ -144,7 +144,6 @@ def stage_dispatch_bwd_grad(pool: StagingPool, slot: int, grad: torch.Tensor) ->
     return buf
 
 
-
 class _ScatterRowsInto(torch.autograd.Function):
     """Writes ``parts`` (consecutive row blocks) to rows ``index`` of ``holder[0]``, a persistent
     buffer, and returns that buffer: the producer's output *is* the staging buffer. The buffer
