@@ -33,7 +33,8 @@ def _train_losses(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_cli_with_class_path_strategy(tmp_path):
-    _run_cli(tmp_path)
+    # Also sets an option of the strategy's own from the command line (activation checkpointing).
+    _run_cli(tmp_path, "--trainer.strategy.init_args.activation_checkpointing=true")
     losses = _train_losses(tmp_path)
     assert losses and all(math.isfinite(l) and l > 0 for l in losses)
     ckpts = list(Path(tmp_path).rglob("*.ckpt"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import TiedLM, ToyRegressor, TupleBoundaryNet, make_optimizer, reference_run
+from models import Block, TiedLM, ToyRegressor, TupleBoundaryNet, make_optimizer, reference_run
 from distributed import run_distributed
 
 STEPS = 3
@@ -78,6 +78,7 @@ def _pipelined(rank, world, cases):
             num_microbatches=case["m"],
             schedule=case["schedule"],
             layout=case.get("layout"),
+            activation_checkpointing=case.get("ac", False),
         )
         names = executor.partition.parameter_names
         topo = executor.topology
@@ -125,6 +126,10 @@ TWO_RANK_CASES = [
     dict(model="non_reentrant", pp=2, m=4, schedule="1f1b", batch=8),  # checkpointed layers
     dict(model="reentrant", pp=2, vp=2, m=4, schedule="interleaved", batch=8),
     dict(model="non_reentrant", pp=2, vp=2, m=4, schedule="combined_1f1b", batch=8),
+    # the runtime's own activation checkpointing: every layer, or the layers of given classes
+    dict(model="regressor", pp=2, m=4, schedule="1f1b", batch=8, ac=True),
+    dict(model="tied", pp=2, vp=2, m=4, schedule="interleaved", batch=8, ac=[Block]),
+    dict(model="regressor", pp=2, vp=2, m=4, schedule="combined_1f1b", batch=8, ac=[Block]),
 ]
 
 FOUR_RANK_PP4 = [

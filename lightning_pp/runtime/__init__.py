@@ -30,11 +30,13 @@ from lightning_pp.runtime.failure import (
 from lightning_pp.runtime.microbatch import split_microbatches
 from lightning_pp.runtime.p2p import StageBoundaryError
 from lightning_pp.runtime.partition import (
+    CheckpointPolicy,
     Layout,
     NotOnThisStage,
     Partition,
     StageChunk,
     check_protocol,
+    checkpointed_layers,
     cut_model,
     parse_layout_string,
     resolve_layout,
@@ -58,6 +60,7 @@ def build_pipeline(
     nonfinite: NonFinitePolicy = "raise",
     watchdog: Union[bool, WatchdogConfig] = True,
     static_shapes: bool = True,
+    activation_checkpointing: CheckpointPolicy = False,
 ) -> PipelineExecutor:
     """Validate the configuration, build the groups, cut ``module`` in place and return the
     executor for this rank. Every check that can fail does so before any group is created.
@@ -66,8 +69,12 @@ def build_pipeline(
     as stuck); ``nonfinite`` is what a step with inf/nan loss or gradients does (``"raise"``,
     ``"skip"`` or ``"ignore"``, decided alike on every rank); ``watchdog`` configures (or, with
     ``False``, disables) the thread that publishes this rank's position and ends it if it stays
-    blocked after a peer failed (see :mod:`lightning_pp.runtime.failure`)."""
+    blocked after a peer failed (see :mod:`lightning_pp.runtime.failure`).
+    ``activation_checkpointing``: layers that keep only their inputs and recompute their forward
+    in backward (``True``: every layer except those that communicate, such as MoE blocks; or a
+    list of layer classes)."""
     check_protocol(module)
+    recomputed = set(checkpointed_layers(list(module.pipeline_layers()), activation_checkpointing))
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite={nonfinite!r} is invalid: choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
     if isinstance(watchdog, bool):
@@ -77,6 +84,9 @@ def build_pipeline(
         ParallelDims(torch.distributed.get_world_size(), pipeline_parallel_size, expert_parallel_size).check()
         resolve_layout(layout, len(list(module.pipeline_layers())), config.num_stages)
         topology = build_topology(pipeline_parallel_size, expert_parallel_size, device.type)
+    for i, layer in enumerate(module.pipeline_layers()):
+        if i in recomputed:
+            layer._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
     partition = cut_model(module, config.pp, config.vp, topology.pp_rank, layout)
     setup_expert_parallel(partition, topology, device)
     module.to(device)
@@ -118,6 +128,7 @@ __all__ = [
     "build_pipeline",
     "build_topology",
     "check_protocol",
+    "CheckpointPolicy",
     "cut_model",
     "normalise_loss",
     "parse_layout_string",

@@ -35,6 +35,7 @@ import torch
 from torch.autograd.variable import Variable
 
 from lightning_pp.runtime import context
+from lightning_pp.runtime.partition import run_layer
 
 Tensors = tuple  # tuple of tensors
 _NO_STREAM = nullcontext()  # reusable: nullcontext keeps no state
@@ -191,7 +192,7 @@ def dense_nodes(layer: torch.nn.Module) -> LayerNodes:
     """A layer without its own nodes: all compute in ``attn``; a tuple input is unpacked."""
 
     def run(state, *xs):
-        out = layer(*xs)
+        out = run_layer(layer, xs)
         return out if isinstance(out, tuple) else (out,)
 
     return LayerNodes(ScheduleNode(run, "layer"), NoopScheduleNode("dispatch"), NoopScheduleNode("mlp"),

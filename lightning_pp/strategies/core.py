@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_pp.runtime import (
     NONFINITE_POLICIES,
+    CheckpointPolicy,
     PipelineExecutor,
     StepResult,
     build_pipeline,
@@ -21,6 +22,7 @@ from lightning_pp.runtime import (
 )
 from lightning_pp.runtime.grads import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.microbatch import batch_size
+from lightning_pp.runtime.partition import checkpointed_layers
 from lightning_pp.runtime.topology import ParallelDims
 from lightning_pp.schedules import SCHEDULES, ScheduleConfig, make_config
 
@@ -48,6 +50,7 @@ class PipelineOptions:
     pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT
     nonfinite: str = "raise"
     pipeline_watchdog: bool = True
+    activation_checkpointing: CheckpointPolicy = False
 
     def check_static(self) -> None:
         """Checks that need no world size (run in the constructor)."""
@@ -59,6 +62,7 @@ class PipelineOptions:
             raise ValueError(f"schedule={self.schedule!r} is not a known schedule: choose one of {', '.join(SCHEDULES)}.")
         if self.pipeline_parallel_size is not None:
             self.schedule_config(self.pipeline_parallel_size)
+        checkpointed_layers([], self.activation_checkpointing)  # the policy's form; its layers at setup
 
     def dims(self, world_size: int) -> ParallelDims:
         ep = self.expert_parallel_size
@@ -161,6 +165,7 @@ class PipelineEngine:
             topology=self.topology,
             nonfinite=opts.nonfinite,
             watchdog=opts.pipeline_watchdog,
+            activation_checkpointing=opts.activation_checkpointing,
         )
         executor.loss_fn = self._recording_loss(module)
         module._lpp_executor = executor  # not a submodule: plain attribute

@@ -56,6 +56,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT,
         nonfinite: NonFinitePolicy = "raise",
         pipeline_watchdog: bool = True,
+        activation_checkpointing: Union[bool, list[type]] = False,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -79,6 +80,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             pipeline_parallel_size, expert_parallel_size, virtual_pipeline_size, num_microbatches,
             schedule, layout, microbatch_group_size, pipeline_timeout,
             nonfinite=nonfinite, pipeline_watchdog=pipeline_watchdog,
+            activation_checkpointing=activation_checkpointing,
         )
         self.options.check_static()
         self.engine = PipelineEngine(self.options)

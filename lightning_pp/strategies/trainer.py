@@ -74,6 +74,9 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         pipeline_watchdog: run the per-process watchdog thread that publishes this rank's position
             (so peers can name a killed or stuck rank) and ends the process if it stays blocked
             after another rank failed (see ``lightning_pp.runtime.failure``).
+        activation_checkpointing: pipeline layers that keep only their inputs and recompute their
+            forward during backward: ``True`` (every layer except those that communicate, such as
+            MoE blocks), ``False``, or a list of layer classes, e.g. ``[TransformerBlock]``.
         process_group_backend, timeout, start_method, accelerator, parallel_devices,
         cluster_environment, checkpoint_io, precision_plugin: as for ``DDPStrategy``.
     """
@@ -92,6 +95,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT,
         nonfinite: NonFinitePolicy = "raise",
         pipeline_watchdog: bool = True,
+        activation_checkpointing: Union[bool, list[type]] = False,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -115,6 +119,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             pipeline_parallel_size, expert_parallel_size, virtual_pipeline_size, num_microbatches,
             schedule, layout, microbatch_group_size, pipeline_timeout,
             nonfinite=nonfinite, pipeline_watchdog=pipeline_watchdog,
+            activation_checkpointing=activation_checkpointing,
         )
         self.options.check_static()
         self.engine = PipelineEngine(self.options)
