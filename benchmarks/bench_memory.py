@@ -1,4 +1,5 @@
-"""Peak memory per rank during training: ours vs torch.distributed.pipelining, and vs the 1F1B bound.
+"""Peak memory per rank during training: ours vs torch.distributed.pipelining, and vs the 1F1B bound;
+and ours with ``activation_checkpointing=True`` (every layer recomputed in backward).
 
 Same model, batch, microbatches and 2 processes as ``bench_vs_torch.py`` (whose model and
 implementation wrappers this reuses). Each implementation runs in its own fresh processes, so
@@ -50,8 +51,8 @@ def _measure(rank: int, world: int, cfg: dict, impl_name: str) -> dict:
     from lightning_pp.runtime import build_topology
 
     topology = build_topology(world)
-    ours = peer._Ours(cfg, "1f1b", topology)
-    impl = ours if impl_name == "ours" else peer._Torch(cfg, "1f1b", ours.layout, rank)
+    ours = peer._Ours(cfg, "1f1b", topology, activation_checkpointing=impl_name == "ours_checkpointed")
+    impl = ours if impl_name.startswith("ours") else peer._Torch(cfg, "1f1b", ours.layout, rank)
     if impl is not ours:
         del ours
     g = torch.Generator().manual_seed(cfg["seed"])
@@ -104,7 +105,7 @@ def run(args: Any = None) -> dict:
     world = peer.WORLD_SIZE
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
     measured = {name: [r["peak_added_mb"] for r in launch(_measure, world, cfg, name, timeout=600)]
-                for name in ("ours", "torch")}
+                for name in ("ours", "torch", "ours_checkpointed")}
     bound = _activation_bound(cfg, world)
     return {
         "config": {k: cfg[k] for k in ("hidden", "blocks", "batch", "microbatches", "steps")},
@@ -112,17 +113,20 @@ def run(args: Any = None) -> dict:
         "bound_1f1b_mb": bound,
         "peak_memory_ratio_vs_torch": max(measured["ours"]) / max(measured["torch"]),
         "peak_memory_over_1f1b_bound": max(o / b for o, b in zip(measured["ours"], bound)),
+        "peak_memory_checkpointed_over_plain": max(measured["ours_checkpointed"]) / max(measured["ours"]),
     }
 
 
 def format_report(res: dict) -> str:
     c = res["config"]
     lines = [f"1F1B, 2 ranks, hidden {c['hidden']}, {c['blocks']} blocks, batch {c['batch']}, {c['microbatches']} microbatches",
-             f"{'rank':>6}{'ours MB':>12}{'torch MB':>12}{'1F1B bound MB':>16}"]
-    for r, (o, t, b) in enumerate(zip(res["peak_added_mb"]["ours"], res["peak_added_mb"]["torch"], res["bound_1f1b_mb"])):
-        lines.append(f"{r:>6}{o:12.1f}{t:12.1f}{b:16.1f}")
+             f"{'rank':>6}{'ours MB':>12}{'torch MB':>12}{'1F1B bound MB':>16}{'ours, checkpointed MB':>24}"]
+    peaks = res["peak_added_mb"]
+    for r, (o, t, b, c) in enumerate(zip(peaks["ours"], peaks["torch"], res["bound_1f1b_mb"], peaks["ours_checkpointed"])):
+        lines.append(f"{r:>6}{o:12.1f}{t:12.1f}{b:16.1f}{c:24.1f}")
     lines += [f"peak_memory_ratio_vs_torch: {res['peak_memory_ratio_vs_torch']:.3f}",
-              f"peak_memory_over_1f1b_bound: {res['peak_memory_over_1f1b_bound']:.3f}"]
+              f"peak_memory_over_1f1b_bound: {res['peak_memory_over_1f1b_bound']:.3f}",
+              f"peak_memory_checkpointed_over_plain: {res['peak_memory_checkpointed_over_plain']:.3f}"]
     return "\n".join(lines)
 
 

@@ -130,7 +130,7 @@ def _mse(output, target):
 class _Ours:
     name = "ours"
 
-    def __init__(self, cfg: dict, schedule: str, topology):
+    def __init__(self, cfg: dict, schedule: str, topology, activation_checkpointing: bool = False):
         import torch
         from lightning_pp.runtime import build_pipeline
 
@@ -142,6 +142,7 @@ class _Ours:
             num_microbatches=cfg["microbatches"],
             schedule=schedule,
             topology=topology,
+            activation_checkpointing=activation_checkpointing,
         )
         self.layout = list(self.executor.partition.layout)
         # Per local stage, the parameters in layer order (for the gradient comparison).

@@ -75,7 +75,8 @@ def main(argv=None) -> dict:
     section("Peak memory per rank", "bench_memory", argparse.Namespace(
         hidden=512, batch=256, microbatches=8, steps=4, quick=q),
         {"peak_memory_ratio_vs_torch": "peak_memory_ratio_vs_torch",
-         "peak_memory_over_1f1b_bound": "peak_memory_over_1f1b_bound"})
+         "peak_memory_over_1f1b_bound": "peak_memory_over_1f1b_bound",
+         "peak_memory_checkpointed_over_plain": "peak_memory_checkpointed_over_plain"})
     section("Timeline recording and monitor overhead", "bench_monitor_overhead", {"wait_quiet": 0.0},
             {"monitor_overhead": "monitor_overhead", "timeline_overhead": "timeline_overhead"})
     figures["schedule_generate_simulate_seconds"] = _schedule_seconds(q)
