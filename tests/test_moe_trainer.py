@@ -104,10 +104,7 @@ def _fit_with_checkpoint(rank, world, ckpt_dir, pp, ep, ckpt_path=None):
 
 
 def _merged(per_rank):
-    out = {}
-    for params in per_rank:
-        out.update(params)
-    return out
+    return {name: value for params in per_rank for name, value in params.items()}
 
 
 @pytest.mark.timeout(300)
