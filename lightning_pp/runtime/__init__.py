@@ -17,6 +17,7 @@ from lightning_pp.runtime.executor import (
     NonFinitePolicy,
     PipelineExecutor,
     StepResult,
+    check_nonfinite_policy,
     normalise_loss,
 )
 from lightning_pp.runtime.failure import (
@@ -75,8 +76,7 @@ def build_pipeline(
     list of layer classes)."""
     check_protocol(module)
     recomputed = set(checkpointed_layers(list(module.pipeline_layers()), activation_checkpointing))
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite={nonfinite!r} is invalid: choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
+    check_nonfinite_policy(nonfinite)
     if isinstance(watchdog, bool):
         watchdog = WatchdogConfig(enabled=watchdog)
     config = make_config(schedule, pipeline_parallel_size, virtual_pipeline_size, num_microbatches, microbatch_group_size)

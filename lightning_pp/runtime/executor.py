@@ -63,6 +63,12 @@ NonFinitePolicy = Literal["raise", "skip", "ignore"]
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
 
+def check_nonfinite_policy(nonfinite: str) -> None:
+    """Raise ``ValueError`` unless ``nonfinite`` is one of :data:`NONFINITE_POLICIES`."""
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite={nonfinite!r} is invalid: choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
+
+
 @dataclass
 class StepResult:
     """What a pipelined step returns on every rank."""
@@ -149,8 +155,7 @@ class PipelineExecutor:
         watchdog: WatchdogConfig = WatchdogConfig(),
         static_shapes: bool = True,
     ) -> None:
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite={nonfinite!r} is invalid: choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
+        check_nonfinite_policy(nonfinite)
         self.nonfinite = nonfinite
         self.timeout = timeout
         self.module = module

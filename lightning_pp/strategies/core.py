@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pp.runtime import (
-    NONFINITE_POLICIES,
     CheckpointPolicy,
     PipelineExecutor,
     StepResult,
@@ -20,6 +19,7 @@ from lightning_pp.runtime import (
     build_topology,
     check_protocol,
 )
+from lightning_pp.runtime.executor import check_nonfinite_policy
 from lightning_pp.runtime.grads import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.microbatch import batch_size
 from lightning_pp.runtime.partition import checkpointed_layers
@@ -54,10 +54,7 @@ class PipelineOptions:
 
     def check_static(self) -> None:
         """Checks that need no world size (run in the constructor)."""
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"nonfinite={self.nonfinite!r} is invalid: choose one of {', '.join(map(repr, NONFINITE_POLICIES))}."
-            )
+        check_nonfinite_policy(self.nonfinite)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not a known schedule: choose one of {', '.join(SCHEDULES)}.")
         if self.pipeline_parallel_size is not None:
