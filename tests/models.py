@@ -162,6 +162,23 @@ def reference_run(model: nn.Module, batches, lr: float = 0.1, optimizer: str = "
     return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def pipelined_run(executor, model: nn.Module, batches, lr: float = 0.1, optimizer: str = "sgd"):
+    """The same training as :func:`reference_run`, through a pipeline executor on this rank (each
+    data-parallel rank takes its slice of every batch). Returns (losses, grads of the first step by
+    global name, final parameters by global name), for this rank's parameters."""
+    names, topo = executor.partition.parameter_names, executor.topology
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    losses, first_grads = [], None
+    for batch in batches:
+        result = executor.train_step(tuple(torch.tensor_split(t, topo.dp)[topo.dp_rank] for t in batch))
+        if first_grads is None:
+            first_grads = {names[id(p)]: p.grad.clone() for p in model.parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(result.loss))
+    return losses, first_grads, {names[id(p)]: p.detach().clone() for p in model.parameters()}
+
+
 def make_optimizer(name, params, lr):
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)

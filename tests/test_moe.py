@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import DistributedFailure, run_distributed
-from models import make_optimizer, reference_run
+from models import pipelined_run, reference_run
 from moe_models import TinyMoELM, token_batches
 
 STEPS = 3
@@ -18,10 +18,6 @@ def _model(aux=0.0, z=0.0, capacity=None):
     return TinyMoELM(aux=aux, z=z, capacity_factor=capacity).double()
 
 
-def _shard(batch, dp, dp_rank):
-    return tuple(torch.tensor_split(t, dp)[dp_rank] for t in batch)
-
-
 def _run(rank, world, cases):
     from lightning_pp.runtime import build_pipeline
 
@@ -30,17 +26,7 @@ def _run(rank, world, cases):
         model = _model(case.get("aux", 0.0), case.get("z", 0.0), case.get("capacity"))
         executor = build_pipeline(model, pipeline_parallel_size=case["pp"], virtual_pipeline_size=case["vp"],
                                   num_microbatches=case["m"], schedule=case["schedule"], expert_parallel_size=case["ep"])
-        names, topo = executor.partition.parameter_names, executor.topology
-        opt = make_optimizer("sgd", model.parameters(), 0.1)
-        losses, grads = [], None
-        for batch in token_batches(5, case["batch"], 6, STEPS):
-            result = executor.train_step(_shard(batch, topo.dp, topo.dp_rank))
-            if grads is None:
-                grads = {names[id(p)]: p.grad.clone() for p in model.parameters()}
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(result.loss))
-        params = {names[id(p)]: p.detach().clone() for p in model.parameters()}
+        losses, grads, params = pipelined_run(executor, model, token_batches(5, case["batch"], 6, STEPS))
         pools = [b.pool.stats for b in model.blocks if hasattr(b, "pool") and b.pool is not None]
         stats = dict(after_warmup=sum(s.allocations_after_warmup for s in pools),
                      allocations=sum(s.allocations for s in pools), staged=sum(s.staged_bytes for s in pools),

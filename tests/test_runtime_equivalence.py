@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import Block, TiedLM, ToyRegressor, TupleBoundaryNet, make_optimizer, reference_run
+from models import Block, TiedLM, ToyRegressor, TupleBoundaryNet, pipelined_run, reference_run
 from distributed import run_distributed
 
 STEPS = 3
@@ -60,10 +60,6 @@ def make_batches(kind, batch):
     return masked_batches(7, batch)
 
 
-def _shard(batch, dp, dp_rank):
-    return tuple(torch.tensor_split(t, dp)[dp_rank] for t in batch)
-
-
 def _pipelined(rank, world, cases):
     """Every case on this process group; per case: losses, first-step grads, final params."""
     from lightning_pp.runtime import build_pipeline
@@ -80,18 +76,8 @@ def _pipelined(rank, world, cases):
             layout=case.get("layout"),
             activation_checkpointing=case.get("ac", False),
         )
-        names = executor.partition.parameter_names
-        topo = executor.topology
-        opt = make_optimizer(case.get("opt", "sgd"), model.parameters(), 0.1)
-        losses, grads = [], None
-        for batch in make_batches(case["model"], case["batch"]):
-            result = executor.train_step(_shard(batch, topo.dp, topo.dp_rank))
-            if grads is None:
-                grads = {names[id(p)]: p.grad.clone() for p in model.parameters()}
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(result.loss))
-        params = {names[id(p)]: p.detach().clone() for p in model.parameters()}
+        losses, grads, params = pipelined_run(executor, model, make_batches(case["model"], case["batch"]),
+                                              optimizer=case.get("opt", "sgd"))
         out.append((losses, grads, params))
     return out
 
