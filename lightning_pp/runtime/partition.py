@@ -22,6 +22,7 @@ from typing import Any, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 REQUIRED_METHODS = ("pipeline_layers", "pipeline_loss")
 
@@ -255,8 +256,6 @@ def run_layer(layer: nn.Module, x: Any) -> Any:
     checkpointing keeps only its inputs and recomputes its forward during backward."""
     args = x if isinstance(x, tuple) else (x,)
     if getattr(layer, "_lpp_checkpoint", False) and torch.is_grad_enabled():
-        from torch.utils.checkpoint import checkpoint
-
         return checkpoint(layer, *args, use_reentrant=False)
     return layer(*args)
 
