@@ -171,6 +171,9 @@ class Partition:
     chunks: list[StageChunk]  # this rank's chunks, index = local chunk id
     tied: list[TiedParameter] = field(default_factory=list)
     parameter_names: dict[int, str] = field(default_factory=dict)  # id(param) -> global name
+    # Canonical names of every parameter of the uncut model in ``module.parameters()`` order (tied
+    # parameters once), identical on every rank: the order a one-device optimizer numbers them in.
+    parameter_order: list[str] = field(default_factory=list)
 
 
 def _layer_list(module: nn.Module) -> list[nn.Module]:
@@ -205,6 +208,7 @@ def cut_model(module: nn.Module, pp: int, vp: int, pp_rank: int, layout: Layout 
     names: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
+    order = [names[id(p)] for p in module.parameters()]
     param_stages: dict[int, set[int]] = {}
     for index, layer in enumerate(layers):
         for p in layer.parameters():
@@ -243,7 +247,7 @@ def cut_model(module: nn.Module, pp: int, vp: int, pp_rank: int, layout: Layout 
         placeholder = NotOnThisStage(index, stage, layer_names.get(id(layer), type(layer).__name__))
         for parent, child_name in parents[id(layer)]:
             setattr(parent, child_name, placeholder)
-    return Partition(counts, layer_stage, chunks, tied, names)
+    return Partition(counts, layer_stage, chunks, tied, names, order)
 
 
 def tie_groups_for(tied: list[TiedParameter]) -> list[tuple[int, ...]]:
