@@ -516,21 +516,21 @@ class PipelineExecutor:
             if plan is not None:
                 _backward(roots, grads)
                 leaves = detached if isinstance(detached, tuple) else (detached,)
-                return received, plan, None, tuple(
-                    (t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None for t in leaves
-                )
+                return received, plan, None, tuple(t.grad if t.requires_grad else None for t in leaves)
             return received, None, roots, grads
         out_grads, _ = self._receive(stage + 1, Message("B", microbatch, stage))
-        roots = [t for t in outputs if t.requires_grad]
-        if len(roots) != len(out_grads):
+        needing = [t for t in outputs if t.requires_grad]
+        if len(needing) != len(out_grads):
             raise PipelineCommError(
-                f"{self.topology.describe()}: stage {stage} produced {len(roots)} outputs that need a "
+                f"{self.topology.describe()}: stage {stage} produced {len(needing)} outputs that need a "
                 f"gradient, but {len(out_grads)} gradients came back for microbatch {microbatch}."
             )
+        grads = [None if _is_no_grad(g) else g for g in out_grads]
         if plan is not None:
-            it = iter(out_grads)
+            it = iter(grads)
             return received, plan, None, tuple(next(it) if t.requires_grad else None for t in outputs)
-        return received, None, roots, list(out_grads)
+        pairs = [(t, g) for t, g in zip(needing, grads) if g is not None]
+        return received, None, [t for t, _ in pairs], [g for _, g in pairs]
 
     def _backward(self, microbatch: int, chunk_id: int) -> None:
         received, plan, roots, grads = self._output_grads(microbatch, chunk_id)
@@ -547,7 +547,7 @@ class PipelineExecutor:
         stage = self.partition.chunks[chunk_id].stage
         if stage > 0:
             grads = tuple(
-                g if g is not None else torch.zeros_like(t)
+                g if g is not None else _no_grad_marker(t)
                 for t, g in zip(received, in_grads)
                 if t.requires_grad
             )
@@ -569,6 +569,20 @@ class PipelineExecutor:
             )
         self._finish_forward(f[0], f[1], f_received, _untuple(outputs), f_plan)
         self._finish_backward(b[0], b[1], b_received, in_grads)
+
+
+def _no_grad_marker(t: torch.Tensor) -> torch.Tensor:
+    """What crosses a stage boundary for a stage input that received no gradient (no path from it
+    to the loss: a stop-gradient, an unused output): an empty tensor of the input's dtype and
+    number of dimensions. The previous stage then runs no backward from that output, so its
+    parameters keep ``grad = None`` as on one device instead of receiving a zero gradient."""
+    if t.dim() == 0:
+        return torch.zeros_like(t)  # a 0-d tensor has no empty form of its own rank; zero is exact
+    return t.new_zeros((0,) + tuple(t.shape[1:]))
+
+
+def _is_no_grad(g: torch.Tensor) -> bool:
+    return g.dim() > 0 and g.numel() == 0
 
 
 def _shapes_key(microbatches: list) -> tuple:

@@ -13,7 +13,7 @@ Three reductions, all sums, so their order does not matter:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,31 @@ class _Bucket:
         self.work = None
 
 
+def _flatten_with_presence(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat buffer of the parameters' gradients (zeros where a gradient is None) followed by one
+    element per parameter, 1 where it has a gradient: summed over replicas, a count of the replicas
+    that produced one, so the reduction itself tells whether the sum is a gradient or no gradient
+    at all, as on one device, without another collective."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    presence = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
+    return _flatten_dense_tensors(grads + [presence])
+
+
+def _unflatten_with_presence(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Write a reduced buffer of :func:`_flatten_with_presence` back: the summed gradient where any
+    replica had one, ``None`` where none had."""
+    shapes = [p for p in params] + [flat.new_empty(len(params))]
+    *reduced, presence = _unflatten_dense_tensors(flat, shapes)
+    for p, value, present in zip(params, reduced, presence.tolist()):
+        if present > 0:
+            if p.grad is None:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
+        else:
+            p.grad = None
+
+
 def create_tie_groups(partition: Partition, topology: Topology) -> dict[tuple[int, ...], object]:
     """Process groups for tied parameters: one per (set of pipeline ranks, data-parallel slot).
     Created on every rank in the same order (``new_group`` is collective)."""
@@ -50,6 +75,12 @@ def create_tie_groups(partition: Partition, topology: Topology) -> dict[tuple[in
     return mine
 
 
+class _TieGroup(NamedTuple):
+    group: object
+    src: int  # global rank whose copies the others take at start-up (the lowest pipeline rank)
+    params: list  # this rank's copies, in the global order of the ties' names
+
+
 class GradientSync:
     """Owns the data-parallel and tied-weight reductions of one rank's chunks."""
 
@@ -60,14 +91,25 @@ class GradientSync:
         for chunk in partition.chunks:
             for p in chunk.parameters():
                 by_id.setdefault(id(p), p)
-        self.tied = []  # (param, group, src global rank)
-        names = partition.parameter_names
-        tied_names = {t.name: t for t in partition.tied}
-        for pid, p in by_id.items():
-            tie = tied_names.get(names.get(pid))
-            if tie is not None and topology.pp_rank in tie.pp_ranks:
-                group, src = self.tie_groups[tie.pp_ranks]
-                self.tied.append((p, group, src))
+        # Tied copies are matched by their global name and reduced in one order that every rank
+        # derives alike (the ties sorted by name, grouped by the pipeline ranks that share them),
+        # never in a rank's own parameter order, which differs between ranks (a tied autoencoder
+        # lists encoder i and its decoder twin in opposite orders).
+        local_by_name = {partition.parameter_names.get(pid): p for pid, p in by_id.items()}
+        self.ties: list[_TieGroup] = []
+        for pp_ranks in tie_groups_for(partition.tied):
+            if topology.pp_rank not in pp_ranks:
+                continue
+            group, src = self.tie_groups[pp_ranks]
+            params = []
+            for tie in partition.tied:  # sorted by name
+                if tie.pp_ranks != pp_ranks:
+                    continue
+                if tie.name not in local_by_name:
+                    raise RuntimeError(f"tied parameter {tie.name} is not held by {topology.describe()}, which "
+                                       f"the cut assigned it to (pipeline ranks {pp_ranks}).")
+                params.append(local_by_name[tie.name])
+            self.ties.append(_TieGroup(group, src, params))
         # Last action index whose backward touches each chunk.
         last_backward = {}
         for index, action in enumerate(actions):
@@ -97,42 +139,40 @@ class GradientSync:
         with torch.no_grad():
             for bucket in self.buckets:
                 src = dist.get_process_group_ranks(bucket.group)[0]
-                flat = _flatten_dense_tensors([p.data for p in bucket.params])
-                dist.broadcast(flat, src=src, group=bucket.group)
-                for p, value in zip(bucket.params, _unflatten_dense_tensors(flat, [p.data for p in bucket.params])):
-                    p.data.copy_(value)
-            for p, group, src in self.tied:
-                dist.broadcast(p.data, src=src, group=group)
+                self._broadcast([p.data for p in bucket.params], src, bucket.group)
+            for tie in self.ties:
+                self._broadcast([p.data for p in tie.params], tie.src, tie.group)
+
+    @staticmethod
+    def _broadcast(tensors: list[torch.Tensor], src: int, group) -> None:
+        flat = _flatten_dense_tensors(tensors)
+        dist.broadcast(flat, src=src, group=group)
+        for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            t.copy_(value)
 
     def after_action(self, index: int) -> None:
         """Launch every bucket whose chunks have finished their backward at action ``index``."""
         for bucket in self.buckets:
             if bucket.launch_after == index and bucket.work is None:
-                grads = []
-                for p in bucket.params:
-                    if p.grad is None:  # e.g. an expert no token reached on this rank
-                        p.grad = torch.zeros_like(p)
-                    grads.append(p.grad)
-                bucket.flat = _flatten_dense_tensors(grads)
+                bucket.flat = _flatten_with_presence(bucket.params)
                 bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
     def finish(self, scale: float, wait=None) -> None:
         """Wait for the data-parallel reductions, sum tied copies, and multiply by ``scale``.
         ``wait(work, what)`` waits for one collective (the executor's, with its timeout); the
-        default waits without a limit."""
+        default waits without a limit. A parameter keeps ``grad = None`` where no replica and no
+        tied copy produced a gradient, as on one device."""
         wait = wait or (lambda work, what: work.wait())
         for bucket in self.buckets:
             if bucket.work is None:  # a chunk with no backward on this rank's schedule
                 self.after_action(bucket.launch_after)
             wait(bucket.work, "the data-parallel gradient all-reduce")
-            grads = [p.grad for p in bucket.params]
-            for g, reduced in zip(grads, _unflatten_dense_tensors(bucket.flat, grads)):
-                g.copy_(reduced)
+            _unflatten_with_presence(bucket.params, bucket.flat)
             bucket.flat, bucket.work = None, None
-        for p, group, _ in self.tied:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            wait(dist.all_reduce(p.grad, group=group, async_op=True), "the tied-parameter gradient all-reduce")
+        for tie in self.ties:
+            flat = _flatten_with_presence(tie.params)
+            wait(dist.all_reduce(flat, group=tie.group, async_op=True), "the tied-parameter gradient all-reduce")
+            _unflatten_with_presence(tie.params, flat)
         if scale != 1.0:
             for p in self.params:
                 if p.grad is not None:

@@ -144,6 +144,10 @@ class ScheduleNode:
         with streams.context(self.comm):
             event.wait()
             if self.comm:
+                # A collective runs on every member whatever this rank's gradients are: an output
+                # without a gradient takes part as zeros.
+                grads = tuple(torch.zeros_like(o) if g is None and isinstance(o, torch.Tensor) else g
+                              for o, g in zip(self.outputs, grads))
                 in_grads = self.backward_fn(plan.state, *grads)
             else:
                 roots, root_grads = [], []
@@ -156,9 +160,7 @@ class ScheduleNode:
                     # arguments): this runs for every compute node, so the checks' cost shows.
                     _ENGINE.run_backward(tuple(roots), tuple(root_grads), False, False, (), True, True)
                 in_grads = tuple(
-                    (t.grad if t.grad is not None else torch.zeros_like(t))
-                    if isinstance(t, torch.Tensor) and t.requires_grad else None
-                    for t in self.inputs
+                    t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in self.inputs
                 )
             event.record()
         self.inputs, self.outputs = (), ()

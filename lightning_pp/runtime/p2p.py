@@ -90,6 +90,31 @@ def decode_header(header: torch.Tensor) -> tuple[list[tuple[torch.dtype, bool, t
     return specs, as_tuple
 
 
+def _fit_no_grad_markers(payload: tuple, spec: tuple, cached: tuple, describe, message: Message):
+    """Header-free gradients whose "no gradient" markers (empty tensors, see the executor) differ
+    from the previous step with the same batch shapes. The receiver has posted receives of last
+    step's sizes: a gradient that is missing now goes as zeros of that size (exact for the sum);
+    a gradient that was missing then but exists now cannot fit, and is an error."""
+    (specs, as_tuple), (old_specs, old_as_tuple) = spec, cached
+    if len(specs) != len(old_specs) or as_tuple != old_as_tuple:
+        return payload, spec
+    fitted, fitted_specs = [], []
+    for t, new, old in zip(payload, specs, old_specs):
+        if new != old and t.numel() == 0 and t.dim() > 0 and len(old[2]) == t.dim():
+            t = torch.zeros(old[2], dtype=t.dtype, device=t.device)
+            new = (t.dtype, new[1], old[2])
+        elif new != old and 0 in old[2] and t.numel() > 0:
+            raise StageBoundaryError(
+                f"{describe()} sends {message.describe()}: an output of virtual stage {message.stage} got no "
+                f"gradient in the previous step with the same batch shapes but gets one "
+                f"now, so whether it reaches the loss depends on the data. Build the pipeline with "
+                f"static_shapes=False so every message carries its shapes."
+            )
+        fitted.append(t)
+        fitted_specs.append(new)
+    return tuple(fitted), (fitted_specs, as_tuple)
+
+
 class _Channel:
     """Receives from one peer, in the peer's send order."""
 
@@ -221,6 +246,8 @@ class PointToPoint:
             if mismatch is not None:
                 raise StageBoundaryError(mismatch)
             cached = self.specs[self.mode].get((dst, message))
+            if cached != spec and message.direction == "B" and cached is not None:
+                payload, spec = _fit_no_grad_markers(payload, spec, cached, self.describe, message)
             if cached != spec:
                 raise StageBoundaryError(
                     f"{self.describe()} sends {message.describe()} as {spec[0]}, but the previous step "
