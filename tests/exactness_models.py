@@ -175,8 +175,7 @@ class RaggedTargets(nn.Module):
             losses.append(F.mse_loss(row[: len(target)], target.to(row.dtype)))
         return torch.stack(losses).mean()
 
-    def forward(self, batch):
-        x = batch["x"]
+    def forward(self, x):
         for layer in self.pipeline_layers():
             x = layer(x)
         return x
@@ -285,3 +284,45 @@ def pytest_approx(value, rtol):
     import pytest
 
     return pytest.approx(value, rel=rtol, abs=1e-12)
+
+
+class DropoutBlock(nn.Module):
+    def __init__(self, hidden: int, p: float = 0.5):
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, h):
+        return h + self.drop(torch.tanh(self.fc(h)))
+
+
+class DropoutNet(nn.Module):
+    """Every block draws a dropout mask of the same shape, so a stage that starts from another
+    stage's generator state draws that stage's masks."""
+
+    def __init__(self, hidden: int = 8, blocks: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(4, hidden)
+        self.blocks = nn.ModuleList(DropoutBlock(hidden) for _ in range(blocks))
+        self.out = nn.Linear(hidden, 2)
+
+    def pipeline_layers(self):
+        return [self.inp, *self.blocks, self.out]
+
+    def pipeline_loss(self, output, batch):
+        return F.mse_loss(output, batch[1])
+
+    def forward(self, x):
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+
+def record_dropout_masks(model: nn.Module) -> dict:
+    """name of each Dropout -> the masks it drew, in call order (recomputations included)."""
+    masks: dict[str, list] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout):
+            module.register_forward_hook(
+                lambda mod, args, out, name=name: masks.setdefault(name, []).append((out == 0).clone()))
+    return masks

@@ -127,3 +127,114 @@ def test_parameters_without_gradients_keep_none():
     _check_all(NOGRAD_TWO_RANKS, per_rank)
     per_rank = run_distributed(_run, 4, NOGRAD_DATA_PARALLEL, timeout=180)
     _check_all(NOGRAD_DATA_PARALLEL, per_rank)
+
+
+# -- per-sample Python lists are split with their samples ---------------------------------------------
+RAGGED = [
+    dict(model="ragged", pp=2, m=3, batch=7),
+    dict(model="ragged", pp=2, vp=2, m=4, schedule="interleaved", batch=8),
+]
+
+
+@pytest.mark.timeout(200)
+def test_per_sample_lists_follow_their_samples():
+    per_rank = run_distributed(_run, 2, RAGGED, timeout=180)
+    _check_all(RAGGED, per_rank)
+    data_parallel = [dict(model="ragged", pp=2, m=2, batch=8)]
+    _check_all(data_parallel, run_distributed(_run, 4, data_parallel, timeout=180))
+
+
+# -- batches smaller than num_microbatches run with fewer microbatches ----------------------------------
+TAILS_TWO_RANKS = [
+    dict(model="ties", layers=6, ties=[], pp=2, m=4, batch=[8, 3, 1]),
+    dict(model="ties", layers=6, ties=[[0, 5]], pp=2, vp=2, m=4, schedule="interleaved", batch=[8, 3, 1]),
+    dict(model="ties", layers=6, ties=[], pp=2, vp=2, m=4, schedule="combined_1f1b", batch=[5, 1, 2]),
+    dict(model="nograd", stop_after=2, pp=2, m=4, batch=[6, 2], layout=[3, 4]),
+]
+
+TAILS_FOUR_RANKS = [
+    dict(model="ties", layers=6, ties=[[1, 4]], pp=4, vp=2, m=8, schedule="interleaved", batch=[9, 5, 3]),
+    dict(model="ties", layers=6, ties=[], pp=2, m=4, batch=[16, 6, 2]),  # dp=2: each replica's share
+]
+
+
+@pytest.mark.timeout(200)
+def test_batches_smaller_than_the_microbatch_count_are_exact():
+    per_rank = run_distributed(_run, 2, TAILS_TWO_RANKS, timeout=180)
+    _check_all(TAILS_TWO_RANKS, per_rank)
+    _check_all(TAILS_FOUR_RANKS, run_distributed(_run, 4, TAILS_FOUR_RANKS, timeout=180))
+
+
+
+# -- every stage draws its own dropout masks, reproducibly ---------------------------------------------
+def _dropout(rank, world, pp):
+    from exactness_models import DropoutNet, record_dropout_masks
+    from lightning_pp.runtime import build_pipeline
+
+    results = []
+    for checkpointing in (False, False, True):  # two identical launches, then with recomputation
+        torch.manual_seed(1234)  # what seed_everything does on every rank
+        model = DropoutNet().double()
+        masks = record_dropout_masks(model)
+        executor = build_pipeline(model, pipeline_parallel_size=pp, num_microbatches=2,
+                                  activation_checkpointing=checkpointing)
+        losses, _, params = pipelined_steps(executor, model, plain_batches(3, 8, steps=2))
+        executor.close()
+        results.append((losses, params, {name: [m.tolist() for m in drawn] for name, drawn in masks.items()}))
+    return results
+
+
+@pytest.mark.timeout(200)
+def test_dropout_masks_differ_across_stages_and_replicas_and_reproduce():
+    per_rank = run_distributed(_dropout, 4, 2, timeout=180)  # pp=2 x dp=2
+    first_masks = {}
+    for rank, (plain, again, recomputed) in enumerate(per_rank):
+        # bitwise reproducible from the seed, and activation recomputation replays the same masks
+        assert plain[0] == again[0] and plain[0] == recomputed[0], f"rank {rank}: losses differ between launches"
+        for name in plain[1]:
+            assert torch.equal(plain[1][name], again[1][name]) and torch.equal(plain[1][name], recomputed[1][name])
+        assert plain[2] == again[2] == recomputed[2]  # (a recomputation that drew other masks would
+        # also change the gradients, hence the parameters compared above)
+        # the first mask each rank drew (stage 0: blocks.0; stage 1: blocks.2), same shape everywhere
+        first_masks[rank] = next(drawn[0] for name, drawn in sorted(plain[2].items()))
+    # ranks 0, 1: stage 0 (dp 0, 1); ranks 2, 3: stage 1 (dp 0, 1): four different streams
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert first_masks[a] != first_masks[b], f"ranks {a} and {b} drew the same dropout mask"
+
+
+# -- the stages of a pipeline are checked to run the same batch, or given rank 0's ---------------------
+def _rank_dependent_batches(rank, world, options):
+    import warnings
+
+    from lightning_pp.runtime import BatchMismatchError, build_pipeline
+
+    torch.manual_seed(7)
+    model = NoGradNet(stop_after=None).double()
+    executor = build_pipeline(model, pipeline_parallel_size=2, num_microbatches=2, **options)
+    pp_rank = executor.topology.pp_rank
+    # a data pipeline that differs by rank from the second batch on (an unseeded augmentation)
+    batches = [plain_batches(11 + (i and pp_rank), 6, steps=1)[0] for i in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = pipelined_steps(executor, model, batches)
+        except BatchMismatchError as exc:
+            return "raised", str(exc)
+    return "trained", out, [str(w.message) for w in caught if "different batches" in str(w.message)]
+
+
+@pytest.mark.timeout(200)
+def test_stages_fed_different_batches_raise_warn_or_use_rank_zeros_batch():
+    for rank, result in enumerate(run_distributed(_rank_dependent_batches, 2, {}, timeout=120)):
+        assert result[0] == "raised", f"rank {rank} trained on mismatched batches"
+        assert "training step 1" in result[1] and "pipeline rank(s) [1]" in result[1], result[1]
+        assert "broadcast_batches=True" in result[1]
+    for rank, result in enumerate(run_distributed(_rank_dependent_batches, 2, {"check_batches": "warn"}, timeout=120)):
+        assert result[0] == "trained" and len(result[2]) == 2, result  # steps 1 and 2, on every rank
+    # broadcast_batches: every stage runs pipeline rank 0's batch, so this is one device on rank 0's data
+    per_rank = run_distributed(_rank_dependent_batches, 2, {"broadcast_batches": True}, timeout=120)
+    torch.manual_seed(7)
+    reference = reference_steps(NoGradNet(stop_after=None).double(), [plain_batches(11, 6, steps=1)[0]] * 3)
+    assert all(r[0] == "trained" and not r[2] for r in per_rank)
+    compare("broadcast_batches", reference, [r[1] for r in per_rank])

@@ -12,16 +12,20 @@ import torch
 from torch import nn
 
 from lightning_pp.runtime.executor import (
+    BATCH_CHECKS,
     DEFAULT_TIMEOUT,
+    BatchCheck,
     NONFINITE_POLICIES,
     NonFinitePolicy,
     PipelineExecutor,
     StepResult,
+    check_batch_policy,
     check_nonfinite_policy,
     normalise_loss,
 )
 from lightning_pp.runtime.failure import (
     WATCHDOG_EXIT_CODE,
+    BatchMismatchError,
     FailureBoard,
     NonFiniteError,
     PipelineCommError,
@@ -62,6 +66,8 @@ def build_pipeline(
     watchdog: Union[bool, WatchdogConfig] = True,
     static_shapes: bool = True,
     activation_checkpointing: CheckpointPolicy = False,
+    check_batches: BatchCheck = "raise",
+    broadcast_batches: bool = False,
 ) -> PipelineExecutor:
     """Validate the configuration, build the groups, cut ``module`` in place and return the
     executor for this rank. Every check that can fail does so before any group is created.
@@ -73,8 +79,12 @@ def build_pipeline(
     blocked after a peer failed (see :mod:`lightning_pp.runtime.failure`).
     ``activation_checkpointing``: layers that keep only their inputs and recompute their forward
     in backward (``True``: every layer except those that communicate, such as MoE blocks; or a
-    list of layer classes)."""
+    list of layer classes). ``check_batches`` compares, every step, a fingerprint of the batch each
+    stage of a pipeline was given (``"raise"``, ``"warn"`` or ``"off"``; it rides on the loss
+    all-reduce); ``broadcast_batches=True`` instead uses pipeline rank 0's batch on every stage (one
+    broadcast per step), for data pipelines that cannot give every stage the same batch."""
     check_protocol(module)
+    check_batch_policy(check_batches, broadcast_batches)
     recomputed = set(checkpointed_layers(list(module.pipeline_layers()), activation_checkpointing))
     check_nonfinite_policy(nonfinite)
     if isinstance(watchdog, bool):
@@ -91,8 +101,8 @@ def build_pipeline(
     setup_expert_parallel(partition, topology, device)
     module.to(device)
     return PipelineExecutor(module, partition, topology, config, device=device, timeout=timeout,
-                            static_shapes=static_shapes,
-                            nonfinite=nonfinite, watchdog=watchdog)
+                            static_shapes=static_shapes, nonfinite=nonfinite, watchdog=watchdog,
+                            check_batches=check_batches, broadcast_batches=broadcast_batches)
 
 
 def setup_expert_parallel(partition: Partition, topology: Topology, device: torch.device) -> None:
@@ -107,6 +117,9 @@ def setup_expert_parallel(partition: Partition, topology: Topology, device: torc
 
 
 __all__ = [
+    "BATCH_CHECKS",
+    "BatchCheck",
+    "BatchMismatchError",
     "DEFAULT_TIMEOUT",
     "FailureBoard",
     "Layout",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
@@ -39,6 +40,7 @@ from lightning_pp.runtime.context import microbatch_context
 from lightning_pp.runtime.failure import (
     Diagnosis,
     FailureBoard,
+    BatchMismatchError,
     NonFiniteError,
     PipelineCommError,
     PipelineError,
@@ -50,23 +52,44 @@ from lightning_pp.runtime.failure import (
 )
 from lightning_pp.runtime.grads import GradientSync
 from lightning_pp.runtime.nodes import ChunkSchedulePlan, StreamSet
-from lightning_pp.runtime.microbatch import batch_size, split_microbatches
+from lightning_pp.runtime.microbatch import batch_fingerprint, batch_size, broadcast_batch, split_microbatches
 from lightning_pp.runtime.p2p import PointToPoint
+from lightning_pp.runtime.rng import StageRNG
 from lightning_pp.runtime.partition import Partition, default_pipeline_inputs
 from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
-from lightning_pp.schedules import ScheduleConfig, rank_actions
+from lightning_pp.schedules import ScheduleConfig, config_for_batch, rank_actions
 from lightning_pp.schedules.messages import Message, send_order
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
+BatchCheck = Literal["raise", "warn", "off"]
+BATCH_CHECKS = ("raise", "warn", "off")
 
 
 def check_nonfinite_policy(nonfinite: str) -> None:
     """Raise ``ValueError`` unless ``nonfinite`` is one of :data:`NONFINITE_POLICIES`."""
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite={nonfinite!r} is invalid: choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
+
+
+def check_batch_policy(check_batches: str, broadcast_batches: bool) -> None:
+    """Raise ``ValueError`` unless the batch options are valid."""
+    if check_batches not in BATCH_CHECKS:
+        raise ValueError(f"check_batches={check_batches!r} is invalid: choose one of {', '.join(map(repr, BATCH_CHECKS))}.")
+    if not isinstance(broadcast_batches, bool):
+        raise ValueError(f"broadcast_batches={broadcast_batches!r} is invalid: pass True or False.")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one rank runs for one schedule configuration."""
+
+    config: ScheduleConfig
+    actions: list  # training actions, in order
+    eval_actions: list  # forward-only actions, in order
+    expected: dict  # forward_only -> {neighbour pipeline rank: its send order to this rank}
 
 
 @dataclass
@@ -136,6 +159,11 @@ class PipelineExecutor:
     rank alike: ``"raise"`` (:class:`NonFiniteError`), ``"skip"`` (the step's gradients are dropped,
     ``.grad`` is left as before the step, so ``optimizer.step()`` after ``zero_grad()`` changes
     nothing; ``StepResult.skipped`` is set) or ``"ignore"`` (no gradient check).
+
+    ``check_batches`` compares a fingerprint of each stage's batch every step (on the loss
+    all-reduce; forward-only steps without a loss add one small all-reduce): ``"raise"``
+    (:class:`BatchMismatchError` on every rank), ``"warn"`` or ``"off"``. ``broadcast_batches``
+    replaces every stage's batch by pipeline rank 0's (one broadcast per step; no check needed).
     """
 
     def __init__(
@@ -154,8 +182,15 @@ class PipelineExecutor:
         nonfinite: NonFinitePolicy = "raise",
         watchdog: WatchdogConfig = WatchdogConfig(),
         static_shapes: bool = True,
+        check_batches: BatchCheck = "raise",
+        broadcast_batches: bool = False,
     ) -> None:
         check_nonfinite_policy(nonfinite)
+        check_batch_policy(check_batches, broadcast_batches)
+        # Every stage of a pipeline must run the same batch: compared every step by fingerprint
+        # (``check_batches``), or made so by sending pipeline rank 0's batch to the others.
+        self.check_batches = "off" if broadcast_batches else check_batches
+        self.broadcast_batches = broadcast_batches
         self.nonfinite = nonfinite
         self.timeout = timeout
         self.module = module
@@ -168,16 +203,11 @@ class PipelineExecutor:
         self.board = board if board is not None else FailureBoard()
         self.pp_rank = topology.pp_rank
         self.num_stages = config.num_stages
-        self.actions = rank_actions(config, self.pp_rank)
-        self.eval_actions = rank_actions(config, self.pp_rank, forward_only=True)
-        neighbours = {(self.pp_rank - 1) % config.pp, (self.pp_rank + 1) % config.pp} - {self.pp_rank}
-        self.expected = {
-            forward_only: {
-                src: send_order(config, src, rank_actions(config, src, forward_only), self.pp_rank)
-                for src in neighbours
-            }
-            for forward_only in (False, True)
-        }
+        self._plans: dict[ScheduleConfig, StepPlan] = {}
+        plan = self._plan(config)
+        self.actions, self.eval_actions = plan.actions, plan.eval_actions
+        self.step_config = config  # the configuration the last step ran (fewer microbatches for a short batch)
+        self._short_batch_warned = False
         self.timeline = Timeline(enabled=record_timeline, device=device)
         # Stage-boundary shapes are a function of the microbatch shapes (true unless a layer's
         # output shape depends on the data): skip the shape header once they repeat (p2p.py).
@@ -185,6 +215,7 @@ class PipelineExecutor:
         # Combined 1F1B runs chunks node by node (see runtime/nodes.py) so FB actions can overlap.
         self._use_plans = config.schedule == "combined_1f1b"
         self.streams = StreamSet(device)
+        self.rng = StageRNG([chunk.stage for chunk in partition.chunks], topology.dp_rank, device)
         self.position = Position()
         self.p2p = PointToPoint(topology.pp_group, topology.global_rank, device, timeout, topology.describe,
                                 timeline=self.timeline, position=self.position)
@@ -203,6 +234,38 @@ class PipelineExecutor:
             for chunk in partition.chunks for layer in chunk.layers for sub in layer.modules()
             if callable(getattr(sub, "pipeline_step_end", None))
         ]
+
+    def _plan(self, config: ScheduleConfig) -> "StepPlan":
+        """This rank's actions for ``config`` and the send orders of its neighbours (cached)."""
+        plan = self._plans.get(config)
+        if plan is None:
+            pp, rank = config.pp, self.pp_rank
+            neighbours = {(rank - 1) % pp, (rank + 1) % pp} - {rank}
+            plan = StepPlan(
+                config,
+                rank_actions(config, rank),
+                rank_actions(config, rank, forward_only=True),
+                {forward_only: {src: send_order(config, src, rank_actions(config, src, forward_only), rank)
+                                for src in neighbours}
+                 for forward_only in (False, True)},
+            )
+            self._plans[config] = plan
+        return plan
+
+    def _plan_for_batch(self, batch: Any) -> "StepPlan":
+        size = batch_size(batch)
+        if size is None:
+            split_microbatches(batch, self.config.microbatches)  # raises: no batch dimension
+        config = config_for_batch(self.config, size)
+        if config is not self.config and not self._short_batch_warned:
+            self._short_batch_warned = True
+            warnings.warn(
+                f"lightning_pp: a batch of {size} samples is smaller than num_microbatches="
+                f"{self.config.microbatches}; it runs as {config.microbatches} microbatches "
+                f"(schedule={config.schedule!r}). Its gradients are exact; only the bubble is larger. This is "
+                f"normal for the last batch of an epoch (drop_last=False); for every batch, use a batch size "
+                f">= num_microbatches. (Shown once.)", stacklevel=4)
+        return self._plan(config)
 
     # -- public steps -------------------------------------------------------------------------
     def train_step(self, batch: Any, grad_scale: float = 1.0) -> StepResult:
@@ -358,26 +421,65 @@ class PipelineExecutor:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
         return found[0].clamp(max=1.0).to(torch.float64)
 
-    def _nonfinite_description(self, values: list[float]) -> Optional[str]:
+    def _nonfinite_description(self, loss_sum: float, count: float, flags: list[float]) -> Optional[str]:
         pp = self.config.pp
-        loss_bad = not math.isfinite(values[0])
-        ranks = [r for r in range(pp) if len(values) > 2 and values[2 + r] > 0]
+        loss_bad = not math.isfinite(loss_sum)
+        ranks = [r for r, flag in enumerate(flags) if flag > 0]
         if not loss_bad and not ranks:
             return None
         parts = []
         if loss_bad:
-            parts.append(f"the batch loss is {values[0] / values[1] if values[1] else values[0]}")
+            parts.append(f"the batch loss is {loss_sum / count if count else loss_sum}")
         if ranks:
             stages = [r + c * pp for r in ranks for c in range(self.config.vp)]
             parts.append(f"gradients hold inf/nan on pipeline rank(s) {ranks} (virtual stage(s) {sorted(stages)})")
         return "; ".join(parts)
 
+    def _check_same_batches(self, fingerprints: list[float], train: bool) -> None:
+        """Compare every pipeline's stages' batch fingerprints (all ranks see all of them, so they
+        all decide alike); raise or warn per ``check_batches``."""
+        dims = self.topology.dims
+        differing = []
+        for dp_rank in range(dims.dp):
+            ranks = [dims.rank_of(p, dp_rank) for p in range(dims.pp)]
+            first = fingerprints[ranks[0]]
+            odd = [p for p, r in enumerate(ranks) if fingerprints[r] != first]
+            if odd:
+                differing.append((dp_rank, ranks, odd))
+        if not differing:
+            return
+        where = "; ".join(
+            f"data-parallel replica {dp_rank}: pipeline rank(s) {odd} (global rank(s) {[ranks[p] for p in odd]}) "
+            f"got a different batch than pipeline rank 0 (global rank {ranks[0]})"
+            for dp_rank, ranks, odd in differing[:4]
+        )
+        step = f"training step {self.steps_done}" if train else "an evaluation/prediction step"
+        message = (
+            f"{step}: the stages of a pipeline were given different batches ({where}). Stage 0 reads the "
+            f"inputs and the last stage the targets of its own copy of the batch, so this trains on inputs "
+            f"paired with other samples' targets. Likely causes: randomness that is not seeded alike on every "
+            f"rank (an unseeded `random`/NumPy transform in a Dataset, DataLoader workers seeded per rank, "
+            f"e.g. by seed_everything(workers=True), shuffle=True without a common seed), or a sampler that "
+            f"depends on the global rank (with Lightning keep use_distributed_sampler=True: the strategy "
+            f"shards over data-parallel ranks only). Fixes: seed the data pipeline identically on the ranks of "
+            f"a pipeline; or pass broadcast_batches=True, which uses pipeline rank 0's batch on every stage; "
+            f"or check_batches='off' if the difference is intended."
+        )
+        if self.check_batches == "raise":
+            raise BatchMismatchError(message)
+        warnings.warn(message, stacklevel=2)
+
     def _step(self, batch: Any, train: bool, compute_loss: bool = True, collect: bool = False,
               grad_scale: float = 1.0) -> StepResult:
         cfg = self.config
-        microbatches = split_microbatches(batch, cfg.microbatches)
+        if self.broadcast_batches and cfg.pp > 1:
+            batch = broadcast_batch(batch, self.topology.global_rank(0), self.topology.pp_group, self.device)
+        fingerprint = batch_fingerprint(batch, self.device) if self.check_batches != "off" and cfg.pp > 1 else None
+        plan = self._plan_for_batch(batch)
+        self.step_config = plan.config
+        microbatches = split_microbatches(batch, plan.config.microbatches)
         self.p2p.begin_step(_shapes_key(microbatches) if self.static_shapes else None, mode=not train)
-        for src, order in self.expected[not train].items():
+        for src, order in plan.expected[not train].items():
             self.p2p.expect(src, order)
         self._batches = microbatches
         self._saved: dict[tuple[int, int], tuple] = {}
@@ -386,7 +488,9 @@ class PipelineExecutor:
         self._count = torch.zeros((), dtype=torch.float64, device=self.device)
         self._outputs = []
         self._train, self._compute_loss, self._collect = train, compute_loss, collect
-        actions = self.actions if train else self.eval_actions
+        actions = plan.actions if train else plan.eval_actions
+        if train:
+            self.grad_sync.begin_step(actions)
         timeline = self.timeline
         timeline.begin_step()
         position = self.position
@@ -405,23 +509,34 @@ class PipelineExecutor:
         position.action = None
         self.p2p.finish()
         loss, count, nonfinite = None, 0.0, None
-        if train or compute_loss:
-            totals = torch.stack([self._loss_sum, self._count])
+        if train or compute_loss or fingerprint is not None:
+            # One all-reduce carries the loss and the count (only last-stage ranks contribute), one
+            # inf/nan flag per pipeline rank and one batch fingerprint per rank: every rank gets them
+            # all and decides alike, with no collective of its own.
+            parts = [torch.stack([self._loss_sum, self._count])]
+            flags = None
             if train and self.nonfinite != "ignore":
                 flags = torch.zeros(cfg.pp, dtype=torch.float64, device=self.device)
                 flags[self.pp_rank] = self._local_grads_nonfinite()
-                totals = torch.cat([totals, flags])
-            # Only last-stage ranks contribute the loss; every rank gets the totals and the flags.
+                parts.append(flags)
+            if fingerprint is not None:
+                prints = torch.zeros(self.topology.dims.world_size, dtype=torch.float64, device=self.device)
+                prints[self.topology.rank] = fingerprint
+                parts.append(prints)
+            totals = torch.cat(parts)
             self._wait_collective(dist.all_reduce(totals, async_op=True), "the all-reduce of the step's loss")
             values = totals.tolist()
-            count = values[1]
-            if count <= 0:
-                raise ValueError(
-                    f"the global loss count is {count}: pipeline_loss must return a positive count "
-                    f"(or a mean over a non-empty microbatch)."
-                )
-            loss = totals[0] / totals[1]
-            nonfinite = self._nonfinite_description(values)
+            if fingerprint is not None:
+                self._check_same_batches(values[len(values) - self.topology.dims.world_size:], train)
+            if train or compute_loss:
+                count = values[1]
+                if count <= 0:
+                    raise ValueError(
+                        f"the global loss count is {count}: pipeline_loss must return a positive count "
+                        f"(or a mean over a non-empty microbatch)."
+                    )
+                loss = totals[0] / totals[1]
+                nonfinite = self._nonfinite_description(values[0], count, values[2:2 + cfg.pp] if flags is not None else [])
         if train:
             self.grad_sync.finish(scale=grad_scale / count,
                                   wait=lambda work, what: self._wait_collective(work, what))
@@ -468,7 +583,7 @@ class PipelineExecutor:
     def _forward(self, microbatch: int, chunk_id: int) -> None:
         received, inputs = self._stage_input(microbatch, chunk_id)
         plan = None
-        with self._context(microbatch, chunk_id), torch.set_grad_enabled(self._train):
+        with self._context(microbatch, chunk_id), self.rng.stream(chunk_id), torch.set_grad_enabled(self._train):
             if self._use_plans and self._train:
                 plan = self._new_plan(microbatch, chunk_id)
                 output = _untuple(plan.forward(inputs if isinstance(inputs, tuple) else (inputs,)))
@@ -563,7 +678,7 @@ class PipelineExecutor:
         f_received, f_inputs = self._stage_input(*f)
         b_received, b_plan, _, b_grads = self._output_grads(*b)
         f_plan = self._new_plan(*f)
-        with self._context(*f):
+        with self._context(*f), self.rng.stream(f[1]):  # backward nodes draw no random numbers
             outputs, in_grads = ChunkSchedulePlan.run(
                 f_plan, b_plan, f_inputs if isinstance(f_inputs, tuple) else (f_inputs,), b_grads
             )

@@ -68,6 +68,11 @@ class PipelineCommError(RuntimeError):
         self.reason = reason
 
 
+class BatchMismatchError(ValueError):
+    """The stages of one pipeline were given different batches (``check_batches="raise"``).
+    Raised on every rank at the same step (the comparison rides on the step's loss all-reduce)."""
+
+
 class NonFiniteError(FloatingPointError):
     """The loss or the gradients of a step were not finite, and ``nonfinite="raise"``. Raised on
     every rank at the same step (the decision is collective)."""

@@ -13,6 +13,7 @@ Three reductions, all sums, so their order does not matter:
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -29,10 +30,11 @@ def is_expert_parameter(param: torch.nn.Parameter) -> bool:
 
 
 class _Bucket:
-    def __init__(self, params: list[torch.nn.Parameter], group, launch_after: int) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], group, chunks: tuple[int, ...]) -> None:
         self.params = params
         self.group = group
-        self.launch_after = launch_after
+        self.chunks = chunks  # the local chunks whose backwards produce these gradients
+        self.launch_after = -1  # action index of the step being run (see GradientSync.begin_step)
         self.flat: Optional[torch.Tensor] = None
         self.work = None
 
@@ -110,28 +112,37 @@ class GradientSync:
                                        f"the cut assigned it to (pipeline ranks {pp_ranks}).")
                 params.append(local_by_name[tie.name])
             self.ties.append(_TieGroup(group, src, params))
-        # Last action index whose backward touches each chunk.
-        last_backward = {}
-        for index, action in enumerate(actions):
-            part = action.backward_part()
-            if part is not None:
-                last_backward[part[1]] = index
-        # A parameter shared by several local chunks is reduced after the last of them.
-        owners: dict[int, int] = {}
+        # One bucket per (set of local chunks holding the parameter, expert or dense); a parameter
+        # shared by several local chunks is reduced after the last of them. Buckets are ordered by
+        # when ``actions`` finishes their chunks, and always launched in that order, so every
+        # replica issues the same collectives in the same order whatever schedule a step runs
+        # (a short batch runs fewer microbatches, see ``begin_step``).
+        holders: dict[int, set[int]] = {}
         for chunk_id, chunk in enumerate(partition.chunks):
             for p in chunk.parameters():
-                owners[id(p)] = max(owners.get(id(p), -1), last_backward.get(chunk_id, len(actions) - 1))
-        buckets: dict[tuple[int, bool], list] = {}
+                holders.setdefault(id(p), set()).add(chunk_id)
+        buckets: dict[tuple[tuple[int, ...], bool], list] = {}
         for pid, p in by_id.items():
             if p.requires_grad:
-                buckets.setdefault((owners[pid], is_expert_parameter(p)), []).append(p)
+                buckets.setdefault((tuple(sorted(holders[pid])), is_expert_parameter(p)), []).append(p)
+        finish = _chunk_finish(actions)
         self.buckets: list[_Bucket] = []
-        for (launch_after, expert), params in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        for (chunks, expert), params in sorted(buckets.items(), key=lambda kv: (max(finish[c] for c in kv[0][0]), kv[0][1])):
             group = topology.edp_group if expert else topology.dp_group
             size = topology.dims.edp if expert else topology.dp
             if size > 1:
-                self.buckets.append(_Bucket(params, group, launch_after))
+                self.buckets.append(_Bucket(params, group, chunks))
+        self.begin_step(actions)
         self.params = list(by_id.values())
+
+    def begin_step(self, actions: list[Action]) -> None:
+        """Set the action after which each bucket is launched for a step that runs ``actions``;
+        a bucket is never launched before the buckets ahead of it."""
+        finish = _chunk_finish(actions)
+        latest = -1
+        for bucket in self.buckets:
+            latest = max(latest, max(finish[c] for c in bucket.chunks))
+            bucket.launch_after = latest
 
     def broadcast_parameters(self) -> None:
         """Make replicas equal at start-up: data-parallel replicas take dp rank 0's values, tied
@@ -153,7 +164,7 @@ class GradientSync:
     def after_action(self, index: int) -> None:
         """Launch every bucket whose chunks have finished their backward at action ``index``."""
         for bucket in self.buckets:
-            if bucket.launch_after == index and bucket.work is None:
+            if bucket.launch_after <= index and bucket.work is None:
                 bucket.flat = _flatten_with_presence(bucket.params)
                 bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
@@ -181,6 +192,17 @@ class GradientSync:
     def abandon(self) -> None:
         for bucket in self.buckets:
             bucket.flat, bucket.work = None, None
+
+
+def _chunk_finish(actions: list[Action]) -> dict[int, int]:
+    """Index of the last action whose backward touches each chunk (the last action for a chunk
+    with no backward in ``actions``)."""
+    last = defaultdict(lambda: len(actions) - 1)
+    for index, action in enumerate(actions):
+        part = action.backward_part()
+        if part is not None:
+            last[part[1]] = index
+    return last
 
 
 def grad_norm(sync: GradientSync, topology: Topology, partition: Partition, norm_type: float = 2.0) -> torch.Tensor:

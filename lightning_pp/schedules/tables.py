@@ -142,6 +142,29 @@ def _validate(cfg: ScheduleConfig) -> None:
             )
 
 
+def config_for_batch(cfg: ScheduleConfig, batch_size: int) -> ScheduleConfig:
+    """The configuration a step whose batch holds ``batch_size`` samples runs.
+
+    ``cfg`` itself when the batch has at least ``cfg.microbatches`` samples. A smaller batch (the
+    last batch of an epoch with ``drop_last=False``) runs the same schedule with the most
+    microbatches it allows (at most one sample each), or, where that schedule cannot run so few
+    (interleaving needs at least ``pp``), GPipe over the same chunks. Gradients are those of the
+    whole batch either way: only the order, the bubble and the activation memory differ."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"a batch of size {batch_size!r} cannot be run: a step needs at least one sample.")
+    if batch_size >= cfg.microbatches:
+        return cfg
+    for count in range(batch_size, 0, -1):
+        group = cfg.microbatch_group_size
+        if group is not None:
+            group = max(min(group, count), cfg.pp)
+        try:
+            return ScheduleConfig(cfg.schedule, cfg.pp, cfg.vp, count, group).validate()
+        except ValueError:
+            continue
+    return ScheduleConfig("gpipe", cfg.pp, cfg.vp, batch_size).validate()
+
+
 def interleaved_table(microbatches: int, vp: int, group_size: int) -> list[tuple[int, int]]:
     """Megatron's forward order of (microbatch, chunk) for one rank: groups of ``group_size``
     microbatches; inside a group every microbatch on chunk 0, then on chunk 1, ..."""
