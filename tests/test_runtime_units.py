@@ -138,3 +138,46 @@ def test_header_roundtrip_carries_shapes_dtypes_and_grad_flags():
     b = torch.ones(7, dtype=torch.int64)
     specs, as_tuple = decode_header(encode_header((a, b), torch.device("cpu"), as_tuple=True))
     assert as_tuple and specs == [(torch.float32, True, (2, 3, 4)), (torch.int64, False, (7,))]
+
+
+class _Adapter(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class _KeptInside(nn.Module):
+    """Layers that live inside ``self.model``, the last one an adapter made on the fly."""
+
+    def __init__(self, extra=None):
+        super().__init__()
+        self.model = ToyRegressor(blocks=2)
+        if extra is not None:
+            self.extra = extra
+
+    def pipeline_layers(self):
+        return [self.model.embed, *self.model.blocks, _Adapter(self.model.head)]
+
+    def pipeline_loss(self, output, batch):
+        return output.pow(2).mean()
+
+
+def test_cut_removes_what_only_other_ranks_reach_wherever_it_is_referenced():
+    for rank, expected in ((0, {"model.embed", "model.blocks.0"}), (1, {"model.blocks.1", "model.head"})):
+        model = _KeptInside()
+        cut_model(model, pp=2, vp=1, pp_rank=rank)
+        held = {n for n, _ in model.named_parameters()}
+        assert {prefix for prefix in expected if any(n.startswith(prefix + ".") for n in held)} == expected
+        assert all(n.startswith(tuple(p + "." for p in expected)) for n in held), (rank, held)
+
+
+def test_a_trainable_parameter_no_layer_reaches_is_named_at_the_cut():
+    with pytest.raises(ValueError, match=r"1 trainable parameter\(s\) of _KeptInside belong to no pipeline layer: extra.weight"):
+        cut_model(_KeptInside(extra=nn.Linear(2, 2, bias=False)), pp=2, vp=1, pp_rank=0)
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    model = _KeptInside(extra=frozen)
+    cut_model(model, pp=2, vp=1, pp_rank=1)  # frozen: kept on every rank
+    assert model.extra is frozen

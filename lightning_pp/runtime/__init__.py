@@ -40,9 +40,11 @@ from lightning_pp.runtime.partition import (
     NotOnThisStage,
     Partition,
     StageChunk,
+    add_frozen_stage_placeholder,
     check_protocol,
     checkpointed_layers,
     cut_model,
+    layer_list,
     parse_layout_string,
     resolve_layout,
 )
@@ -85,20 +87,22 @@ def build_pipeline(
     broadcast per step), for data pipelines that cannot give every stage the same batch."""
     check_protocol(module)
     check_batch_policy(check_batches, broadcast_batches)
-    recomputed = set(checkpointed_layers(list(module.pipeline_layers()), activation_checkpointing))
     check_nonfinite_policy(nonfinite)
+    layers = layer_list(module)  # once: pipeline_layers() may build new adapter objects every call
+    recomputed = set(checkpointed_layers(layers, activation_checkpointing))
     if isinstance(watchdog, bool):
         watchdog = WatchdogConfig(enabled=watchdog)
     config = make_config(schedule, pipeline_parallel_size, virtual_pipeline_size, num_microbatches, microbatch_group_size)
     if topology is None:
         ParallelDims(torch.distributed.get_world_size(), pipeline_parallel_size, expert_parallel_size).check()
-        resolve_layout(layout, len(list(module.pipeline_layers())), config.num_stages)
+        resolve_layout(layout, len(layers), config.num_stages)
         topology = build_topology(pipeline_parallel_size, expert_parallel_size, device.type)
-    for i, layer in enumerate(module.pipeline_layers()):
-        if i in recomputed:
-            layer._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
-    partition = cut_model(module, config.pp, config.vp, topology.pp_rank, layout)
+    for i in recomputed:
+        layers[i]._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
+    partition = cut_model(module, config.pp, config.vp, topology.pp_rank, layout, layers=layers)
     setup_expert_parallel(partition, topology, device)
+    partition.forget_freed(module)  # before anything new is made: a new object may reuse a freed id
+    add_frozen_stage_placeholder(module, partition)
     module.to(device)
     return PipelineExecutor(module, partition, topology, config, device=device, timeout=timeout,
                             static_shapes=static_shapes, nonfinite=nonfinite, watchdog=watchdog,
@@ -143,6 +147,7 @@ __all__ = [
     "check_protocol",
     "CheckpointPolicy",
     "cut_model",
+    "layer_list",
     "normalise_loss",
     "parse_layout_string",
     "resolve_layout",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -175,8 +175,15 @@ class Partition:
     # parameters once), identical on every rank: the order a one-device optimizer numbers them in.
     parameter_order: list[str] = field(default_factory=list)
 
+    def forget_freed(self, module: nn.Module) -> None:
+        """Keep in ``parameter_names`` only the parameters ``module`` still holds (the cut and expert
+        parallelism free the others; their ids may be reused by objects made later)."""
+        live = {id(p) for p in module.parameters()}
+        self.parameter_names = {pid: name for pid, name in self.parameter_names.items() if pid in live}
 
-def _layer_list(module: nn.Module) -> list[nn.Module]:
+
+def layer_list(module: nn.Module) -> list[nn.Module]:
+    """``module.pipeline_layers()`` as a list, checked (call it once: it may build adapters)."""
     layers = list(module.pipeline_layers())
     if not layers:
         raise ValueError(f"{type(module).__name__}.pipeline_layers() returned no layers: return the ordered layers.")
@@ -191,15 +198,19 @@ def _layer_list(module: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def cut_model(module: nn.Module, pp: int, vp: int, pp_rank: int, layout: Layout = None) -> Partition:
+def cut_model(module: nn.Module, pp: int, vp: int, pp_rank: int, layout: Layout = None,
+              layers: Optional[list[nn.Module]] = None) -> Partition:
     """Cut ``module`` into ``pp * vp`` virtual stages and keep only ``pp_rank``'s chunks.
 
     Virtual stage ``s`` lives on pipeline rank ``s % pp`` as local chunk ``s // pp``. Layers of other
-    ranks are replaced in the module tree by :class:`NotOnThisStage`, which frees their parameters
-    (unless an owned layer shares them, e.g. a tied embedding).
+    ranks, and every module only they reach (a layer may be an adapter around modules kept
+    elsewhere in the tree), are replaced wherever the tree refers to them by
+    :class:`NotOnThisStage`, which frees their parameters (unless an owned layer shares them, e.g.
+    a tied embedding). Names stay the one-device names. A trainable parameter that no layer
+    reaches is an error: no stage would train it.
     """
     check_protocol(module)
-    layers = _layer_list(module)
+    layers = layer_list(module) if layers is None else layers
     num_stages = pp * vp
     counts = resolve_layout(layout, len(layers), num_stages)
     layer_stage = [s for s, c in enumerate(counts) for _ in range(c)]
@@ -225,29 +236,87 @@ def cut_model(module: nn.Module, pp: int, vp: int, pp_rank: int, layout: Layout 
     for parent in module.modules():
         for child_name, child in parent.named_children():
             parents.setdefault(id(child), []).append((parent, child_name))
+    reached: set[int] = set()
     for index, layer in enumerate(layers):
         if layer is module:
             raise ValueError("pipeline_layers() must not return the module itself: return its sub-layers.")
-        if id(layer) not in parents:
+        unnamed = [p for p in layer.parameters() if id(p) not in names]
+        if unnamed:
             raise ValueError(
-                f"pipeline_layers()[{index}] ({type(layer).__name__}) is not a submodule of "
-                f"{type(module).__name__}: assign it as an attribute (or inside an nn.ModuleList) so its "
-                f"parameters have names and reach the optimizer."
+                f"pipeline_layers()[{index}] ({type(layer).__name__}) holds {len(unnamed)} parameter(s) that "
+                f"{type(module).__name__} does not: assign the layer (or the modules it wraps) as an attribute "
+                f"(or inside an nn.ModuleList) so its parameters have names, reach the optimizer and are saved."
             )
+        reached.update(id(p) for p in layer.parameters())
+    orphans = [name for pid, name in names.items() if pid not in reached and _requires_grad(module, name)]
+    if orphans:
+        raise ValueError(
+            f"{len(orphans)} trainable parameter(s) of {type(module).__name__} belong to no pipeline layer: "
+            f"{', '.join(orphans[:6])}{', ...' if len(orphans) > 6 else ''}. Every trainable parameter must be "
+            f"reached from a module that pipeline_layers() returns, so that the stage holding it trains it "
+            f"and saves it (otherwise every rank would keep an untrained copy). Move the module into a layer "
+            f"(e.g. into the last layer if pipeline_loss uses it), delete it if it is unused, or freeze it "
+            f"(requires_grad_(False)); frozen parameters outside the layers stay on every rank."
+        )
 
     chunks: list[StageChunk] = []
     for chunk_id in range(vp):
         stage = chunk_id * pp + pp_rank
         first = sum(counts[:stage])
         chunks.append(StageChunk(stage, first, layers[first : first + counts[stage]]))
+    # Remove, wherever the module tree refers to it, every module that only other ranks' layers
+    # reach: the layers themselves, and the modules they wrap or point into (a layer may live
+    # anywhere in the module, e.g. self.model.transformer.h[3], or be a small adapter around such
+    # modules), so no rank keeps an untrained copy of another rank's weights.
+    kept = {id(m) for i, layer in enumerate(layers) if layer_stage[i] % pp == pp_rank for m in layer.modules()}
+    removed: dict[int, tuple[nn.Module, int]] = {}
     for index, layer in enumerate(layers):
-        stage = layer_stage[index]
-        if stage % pp == pp_rank:
+        if layer_stage[index] % pp == pp_rank:
             continue
-        placeholder = NotOnThisStage(index, stage, layer_names.get(id(layer), type(layer).__name__))
-        for parent, child_name in parents[id(layer)]:
-            setattr(parent, child_name, placeholder)
+        for sub in layer.modules():
+            if id(sub) not in kept:
+                removed.setdefault(id(sub), (sub, index))
+    for sub_id, (sub, index) in removed.items():
+        stage = layer_stage[index]
+        placeholder = NotOnThisStage(index, stage, layer_names.get(sub_id, type(sub).__name__))
+        for parent, child_name in parents.get(sub_id, ()):
+            if id(parent) not in removed:
+                setattr(parent, child_name, placeholder)
     return Partition(counts, layer_stage, chunks, tied, names, order)
+
+
+class FrozenStage(nn.Module):
+    """Added to the module on a rank none of whose parameters is trainable (every layer of its
+    stages frozen): one empty trainable parameter, so that an optimizer built from the rank's
+    trainable parameters (``[p for p in self.parameters() if p.requires_grad]``) is not an empty
+    list, which torch refuses. It never gets a gradient, so optimizers skip it, and it is left out
+    of state dicts (one-device checkpoints load without it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.placeholder = nn.Parameter(torch.zeros(0))
+        self._register_state_dict_hook(_drop_placeholder)
+        self._register_load_state_dict_pre_hook(_keep_placeholder, with_module=True)
+
+
+def _drop_placeholder(module, state_dict, prefix, local_metadata):
+    state_dict.pop(prefix + "placeholder", None)
+
+
+def _keep_placeholder(module, state_dict, prefix, *args):
+    state_dict.setdefault(prefix + "placeholder", module.placeholder.detach())
+
+
+def add_frozen_stage_placeholder(module: nn.Module, partition: "Partition") -> bool:
+    """Give ``module`` a :class:`FrozenStage` if none of this rank's parameters is trainable."""
+    if any(p.requires_grad for chunk in partition.chunks for p in chunk.parameters()):
+        return False
+    module._lpp_frozen_stage = FrozenStage()
+    return True
+
+
+def _requires_grad(module: nn.Module, name: str) -> bool:
+    return module.get_parameter(name).requires_grad
 
 
 def tie_groups_for(tied: list[TiedParameter]) -> list[tuple[int, ...]]:
