@@ -100,12 +100,17 @@ class WatchdogConfig:
         position_interval: a changed position is published at most this often (seconds).
         exit_grace: once a failure is on the board, how long this rank's main thread may stay
             blocked (or stuck) before the watchdog ends the process.
+        exception_grace: how long a rank whose main thread is handling an exception of its own
+            (unwinding through ``except``/``finally`` blocks: Lightning's ``on_exception`` hooks and
+            teardown, a user's ``except`` block) is left alone after ``exit_grace`` has passed. Such a
+            rank is about to raise; it is ended only if its handler itself stays blocked this long.
     """
 
     enabled: bool = True
     heartbeat_interval: float = 1.0
     position_interval: float = 0.1
     exit_grace: float = 10.0
+    exception_grace: float = 60.0
 
     @property
     def silence_limit(self) -> float:
@@ -205,6 +210,7 @@ class Watchdog:
         self.config = config
         self.failure: Optional[str] = None  # what the thread last saw on the board
         self._failure_seen_at = 0.0
+        self._handling_since: Optional[float] = None  # when the main thread was first seen unwinding
         self._acknowledged: set[str] = set()
         self._executors: "weakref.WeakSet" = weakref.WeakSet()
         self._active: Optional[weakref.ref] = None
@@ -335,8 +341,18 @@ class Watchdog:
             self.failure, self._failure_seen_at = failure, now
         if failure in self._acknowledged or not len(self._executors):
             return
-        if now - self._failure_seen_at >= self.config.exit_grace:
+        if now - self._failure_seen_at >= self.config.exit_grace and not self._handling_own_exception(now):
             self._exit(failure, executor)
+
+    def _handling_own_exception(self, now: float) -> bool:
+        """Whether the main thread is unwinding an exception of its own (and has not been doing so
+        for longer than ``exception_grace``): it is about to raise, its exception is the user's."""
+        if main_thread_exception() is None:
+            self._handling_since = None
+            return False
+        if self._handling_since is None:
+            self._handling_since = now
+        return now - self._handling_since < self.config.exception_grace
 
     def _exit(self, failure: str, executor) -> None:
         where = executor.where() if executor is not None else f"rank {self.rank}"
@@ -411,7 +427,8 @@ class Diagnosis:
                     return origin
                 for rank in range(self.world_size):
                     beat = self.board.position(rank)
-                    if beat is not None and self._silent_for(beat) > self.config.silence_limit:
+                    if beat is not None and (beat.get("state") == "left"
+                                             or self._silent_for(beat) > self.config.silence_limit):
                         return self._went_away(rank)
                 time.sleep(self.config.heartbeat_interval / 2)
             if self.board.unreachable:
@@ -432,6 +449,8 @@ class Diagnosis:
             return self._store_gone(peer)
         if beat is None:
             where = f"{self.describe(peer)} (position never published)"
+        elif beat["state"] == "left":
+            where = self.describe(peer)  # its last position only says that it left
         else:
             where = beat["where"] + ("" if beat["state"] != "wait" else f" while waiting ({beat['what']})")
         return (
@@ -516,3 +535,232 @@ class Diagnosis:
                 f"{beat['step']} it has not started the next one (e.g. blocked in user code) ({limit})"
             )
         return None  # waiting, or failing itself
+
+
+# -- failures outside the pipeline step ---------------------------------------------------------
+#
+# A rank can fail where no executor guards it: a user hook between steps, the data pipeline, a
+# collective of the framework. Its peers then fail in their own communication (a closed
+# connection) with nothing on the board, or with a raw backend error. The strategies call
+# :func:`explain_exception` on the rank whose run an exception is ending (Lightning's
+# ``on_exception``, or the ``sys.excepthook`` installed for Fabric): the rank that raised records
+# itself, a rank whose communication failed looks the origin up, and each exception gets a note
+# naming the rank that failed first.
+
+EXECUTOR_NOTE = "lightning_pp: the pipeline step failed on "  # the note PipelineExecutor adds
+
+
+def main_thread_exception() -> Optional[BaseException]:
+    """The exception the main thread is handling right now (inside an ``except`` or ``finally``
+    block, or a context manager's ``__exit__`` while unwinding), or ``None``."""
+    main = threading.main_thread().ident
+    try:
+        current = sys._current_exceptions().get(main)  # Python < 3.12: an exc_info tuple
+    except Exception:  # noqa: BLE001 - an implementation without it: nothing is known
+        return None
+    if isinstance(current, tuple):
+        current = current[1]
+    return current
+
+
+# What a backend's RuntimeError says when a peer went away or a transfer timed out.
+_COMM_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def _chain(exc: Optional[BaseException]):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a failed or timed-out communication:
+    a :class:`PipelineCommError`, a ``torch.distributed`` error, or a backend's (gloo, NCCL) error."""
+    dist_error = getattr(dist, "DistError", None)
+    for item in _chain(exc):
+        if isinstance(item, PipelineCommError) or (dist_error is not None and isinstance(item, dist_error)):
+            return True
+        if isinstance(item, RuntimeError) and any(m in str(item).lower() for m in _COMM_MARKERS):
+            return True
+    return False
+
+
+def _step_codes() -> set:
+    module = sys.modules.get("lightning_pp.runtime.executor")
+    guarded = getattr(getattr(module, "PipelineExecutor", None), "_guarded", None)
+    code = getattr(guarded, "__code__", None)
+    return {code} if code is not None else set()
+
+
+def reported_by_executor(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a pipeline step, whose executor has already recorded it on the
+    board (or, for a peer's failure, looked it up)."""
+    if isinstance(exc, (PipelineError, NonFiniteError)):
+        return True
+    codes = _step_codes()
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return any(str(note).startswith(EXECUTOR_NOTE) for note in getattr(exc, "__notes__", ()))
+
+
+def _frame_location(frame, lineno: int) -> str:
+    return f"{frame.f_code.co_name} at {os.path.basename(frame.f_code.co_filename)}:{lineno}"
+
+
+def locate(exc: BaseException, label_frame: Optional[Callable] = None) -> Optional[str]:
+    """Where ``exc`` was raised, in words: the innermost frame ``label_frame(frame)`` names (a
+    strategy names its framework's hooks), else "loading a batch (DataLoader)" for the data
+    pipeline, else the innermost frame's function, file and line. ``None`` without a traceback."""
+    label, innermost = None, None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        named = label_frame(frame) if label_frame is not None else None
+        if named is None and f"{os.sep}torch{os.sep}utils{os.sep}data{os.sep}" in frame.f_code.co_filename:
+            named = "loading a batch (DataLoader)"
+        if named is not None:
+            label = named
+        innermost = (frame, tb.tb_lineno)
+        tb = tb.tb_next
+    if label is not None:
+        return label
+    return _frame_location(*innermost) if innermost is not None else None
+
+
+def summarize(exc: BaseException, limit: int = 2000) -> str:
+    """``Type: message`` of ``exc`` in a few lines. An error re-raised from a DataLoader worker
+    carries the worker's whole traceback: keep its first line and the original error."""
+    text = str(exc).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    if "Original Traceback" in text and len(lines) > 2:
+        text = f"{lines[0]} {lines[-1].strip()}"
+    if len(text) > limit:
+        text = text[:limit] + " ..."
+    return f"{type(exc).__name__}: {text}"
+
+
+def _names(origin: str, me: str) -> bool:
+    return origin.startswith(me + " ") or origin == me
+
+
+def current_watchdog() -> Optional[Watchdog]:
+    """This process's watchdog, if it is running."""
+    watchdog = _process_watchdog
+    return watchdog if watchdog is not None and watchdog.running else None
+
+
+def explain_exception(exc: BaseException, board: FailureBoard, me: str, where: Optional[str] = None,
+                      diagnosis: Optional[Diagnosis] = None, watchdog: Optional[Watchdog] = None,
+                      wait_seconds: float = 2.0) -> Optional[str]:
+    """Make the failure board and ``exc`` name the rank that failed first, on a rank whose run ``exc``
+    is ending. ``me`` describes this rank (``rank 1 (pp=1, dp=0, ep=0)``), ``where`` the place outside
+    the step ``exc`` was raised in (see :func:`locate`). Returns the failure on the board.
+
+    * A pipeline failure (:class:`PipelineError`, :class:`NonFiniteError`, or an exception the
+      executor recorded) already names its origin: nothing is added.
+    * A communication error (a peer went away, or stopped answering): the origin is looked up on the
+      board, waiting up to ``wait_seconds`` for it; if there is none, ``diagnosis`` names the rank
+      that went away or stalled, and that goes on the board. ``exc`` gets the note
+      ``lightning_pp: caused by a failure on another rank: <origin>  -> seen by <me> ...``; a note
+      by which the executor blamed this rank for the peer's failure is removed.
+    * Any other exception is this rank's own failure outside the step: the board gets
+      ``<me> failed outside the pipeline step (in <where>): <Type>: <message>`` (first writer wins)
+      and ``exc`` a note saying so.
+
+    The watchdog is told that this rank is raising for the failure, so it never ends the process
+    for it. Store errors are swallowed (the store's host may be the rank that died).
+    """
+    watchdog = watchdog if watchdog is not None else current_watchdog()
+    if isinstance(exc, (PipelineError, NonFiniteError)):
+        origin = board.read()
+    elif is_comm_error(exc):
+        origin = _comm_origin(exc, board, me, diagnosis, wait_seconds)
+    elif reported_by_executor(exc):
+        origin = board.read()
+    else:
+        place = where or "between steps"
+        message = f"{me} failed outside the pipeline step (in {place}): {summarize(exc)}"
+        board.report(message)
+        origin = board.read() or (None if board.unreachable else message)
+        if origin is None:
+            add_note(exc, f"lightning_pp: {me} failed outside the pipeline step (in {place}); the job's "
+                          f"key-value store is unreachable ({board.unreachable}), so the other ranks could "
+                          f"not be told.")
+        elif origin == message:
+            add_note(exc, f"lightning_pp: {me} failed outside the pipeline step (in {place}); "
+                          f"the other ranks' errors name it.")
+        else:
+            add_note(exc, f"lightning_pp: {me} failed outside the pipeline step (in {place}), after "
+                          f"another failure was recorded: {origin}")
+    if watchdog is not None:
+        watchdog.acknowledge(origin)
+    return origin
+
+
+def _comm_origin(exc: BaseException, board: FailureBoard, me: str, diagnosis: Optional[Diagnosis],
+                 wait_seconds: float) -> Optional[str]:
+    origin = board.read(wait_seconds=wait_seconds)
+    first_line = summarize(exc).splitlines()[0]
+    own_record = origin is not None and _names(origin, me) and first_line in origin
+    if (origin is None or own_record) and not board.unreachable and diagnosis is not None:
+        # Nobody recorded a failure, or only this rank did, blaming itself for a broken connection
+        # (a backend error raised where the executor does not expect one): name the rank that
+        # went away or stalled instead.
+        reason = "timeout" if classify(exc) == "timeout" else "closed"
+        explained = diagnosis.explain(PipelineCommError(first_line, peer=None, reason=reason))
+        if origin is None:
+            board.report(explained)
+        elif not _names(explained, me):
+            board._call(lambda: board.store.compare_set(FAILURE_KEY, origin, explained))
+        origin = board.read() or explained
+    if origin is None and board.unreachable:
+        origin = f"{STORE_GONE} ({board.unreachable})"
+    if origin is None:
+        return None
+    if _names(origin, me):
+        if not any(origin in str(note) for note in getattr(exc, "__notes__", ())):
+            add_note(exc, f"lightning_pp: the failure board names this rank: {origin}")
+        return origin
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, list):  # the executor's note blamed this rank for a peer's failure
+        notes[:] = [n for n in notes if not str(n).startswith(EXECUTOR_NOTE + me)]
+    add_note(exc, f"lightning_pp: caused by a failure on another rank: {origin}\n"
+                  f"  -> seen by {me}: its communication with that rank failed ({first_line})")
+    return origin
+
+
+_excepthook_context: Optional[Callable[[], Optional[tuple]]] = None
+_excepthook_installed = False
+
+
+def install_excepthook(context: Callable[[], Optional[tuple]]) -> None:
+    """Make ``sys.excepthook`` call :func:`explain_exception` for an uncaught exception, then the
+    previous hook (which prints it, with the notes). Installed once per process; a later call only
+    replaces ``context``: a function returning ``(board, me, diagnosis, label_frame)`` for the
+    current pipeline, or ``None`` when there is none. For runs without an ``on_exception`` hook
+    (Fabric, plain loops). It sees only exceptions that end the program: one the user catches is
+    the user's to report, and one raised in a process started by ``multiprocessing`` is printed by
+    ``multiprocessing`` without calling the hook."""
+    global _excepthook_context, _excepthook_installed
+    _excepthook_context = context
+    if _excepthook_installed:
+        return
+    _excepthook_installed = True
+    previous = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):
+        try:
+            found = _excepthook_context() if _excepthook_context is not None else None
+            if found is not None and isinstance(exc, BaseException):
+                board, me, diagnosis, label_frame = found
+                explain_exception(exc, board, me, where=locate(exc, label_frame), diagnosis=diagnosis)
+        except Exception:  # noqa: BLE001 - the hook must never hide the user's exception
+            pass
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
