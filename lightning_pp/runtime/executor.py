@@ -48,6 +48,7 @@ from lightning_pp.runtime.failure import (
     WatchdogConfig,
     add_note,
     classify,
+    is_comm_error,
     watchdog_for,
 )
 from lightning_pp.runtime.grads import GradientSync
@@ -200,6 +201,9 @@ class PipelineExecutor:
         self.device = device
         self.loss_fn = loss_fn or module.pipeline_loss
         self.inputs_fn = inputs_fn or getattr(module, "pipeline_inputs", None) or default_pipeline_inputs
+        # Optional: post-processing of the last stage's output per microbatch in prediction
+        # (argmax, decoding), the pipeline's place for what a predict_step would do.
+        self.predict_fn = getattr(module, "pipeline_predict", None)
         self.board = board if board is not None else FailureBoard()
         self.pp_rank = topology.pp_rank
         self.num_stages = config.num_stages
@@ -208,6 +212,7 @@ class PipelineExecutor:
         self.actions, self.eval_actions = plan.actions, plan.eval_actions
         self.step_config = config  # the configuration the last step ran (fewer microbatches for a short batch)
         self._short_batch_warned = False
+        self._actions_started = False  # for where(): a failure before the first action is at the start
         self.timeline = Timeline(enabled=record_timeline, device=device)
         # Stage-boundary shapes are a function of the microbatch shapes (true unless a layer's
         # output shape depends on the data): skip the shape header once they repeat (p2p.py).
@@ -346,7 +351,8 @@ class PipelineExecutor:
         action = position.action
         if action is None:
             if position.in_step:
-                return f"{self.topology.describe()} at the end of step {position.step}"
+                moment = "end" if self._actions_started else "start"
+                return f"{self.topology.describe()} at the {moment} of step {position.step}"
             return f"{self.topology.describe()} outside the schedule"
         detail = action.describe()
         part = action.forward_part() or action.backward_part()
@@ -366,16 +372,21 @@ class PipelineExecutor:
         watchdog = self.watchdog
         if isinstance(exc, PipelineError):
             return  # already names the origin (a refused step)
-        if isinstance(exc, PipelineCommError) and exc.reason in ("timeout", "closed"):
+        if isinstance(exc, PipelineCommError):
+            peer_failure = exc.reason in ("timeout", "closed")
+        else:  # a backend error raised while posting a transfer (not waiting for one)
+            peer_failure = is_comm_error(exc)
+        if peer_failure:
             # Someone else's failure, most likely: a rank that raised recorded itself before its
             # connections closed. If nobody did, name the peer that vanished or the rank that stalled.
+            comm = exc if isinstance(exc, PipelineCommError) else PipelineCommError(str(exc), reason=classify(exc))
             origin = self.board.read(wait_seconds=0.2)
             if origin is None:
-                self.board.report(self.diagnosis.explain(exc))
-                origin = self.board.read() or self.diagnosis.explain(exc)
+                self.board.report(self.diagnosis.explain(comm))
+                origin = self.board.read() or self.diagnosis.explain(comm)
             if watchdog is not None:
                 watchdog.acknowledge(origin)
-            raise PipelineError(f"{origin}\n  -> seen by {where}: {exc}") from exc
+            raise PipelineError(f"{origin}\n  -> seen by {where}: {comm}") from exc
         message = f"{where} failed: {type(exc).__name__}: {exc}"
         self.board.report(message)
         if watchdog is not None:
@@ -472,6 +483,7 @@ class PipelineExecutor:
     def _step(self, batch: Any, train: bool, compute_loss: bool = True, collect: bool = False,
               grad_scale: float = 1.0) -> StepResult:
         cfg = self.config
+        self._actions_started = False
         if self.broadcast_batches and cfg.pp > 1:
             batch = broadcast_batch(batch, self.topology.global_rank(0), self.topology.pp_group, self.device)
         fingerprint = batch_fingerprint(batch, self.device) if self.check_batches != "off" and cfg.pp > 1 else None
@@ -494,6 +506,7 @@ class PipelineExecutor:
         timeline = self.timeline
         timeline.begin_step()
         position = self.position
+        self._actions_started = True
         for index, action in enumerate(actions):
             position.action = action
             with timeline.span(action.kind, action.microbatch, action.chunk, device_side=True):
@@ -597,7 +610,8 @@ class PipelineExecutor:
         mb_batch = self._batches[microbatch]
         if stage == self.num_stages - 1:
             if self._collect:
-                self._outputs.append(output.detach() if isinstance(output, torch.Tensor) else output)
+                value = self.predict_fn(output, mb_batch) if self.predict_fn is not None else output
+                self._outputs.append(value.detach() if isinstance(value, torch.Tensor) else value)
             if not (self._train or self._compute_loss):
                 return
             detached = None
