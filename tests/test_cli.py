@@ -33,8 +33,13 @@ def _train_losses(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_cli_with_class_path_strategy(tmp_path):
-    # Also sets an option of the strategy's own from the command line (activation checkpointing).
-    _run_cli(tmp_path, "--trainer.strategy.init_args.activation_checkpointing=true")
+    # Also sets the strategy's own options from the command line, every one build_pipeline takes
+    # that a user may need (static_shapes used to be refused by the strategy, though the README and
+    # StageBoundaryError prescribe it).
+    _run_cli(tmp_path, "--trainer.strategy.init_args.activation_checkpointing=true",
+             "--trainer.strategy.init_args.static_shapes=false", "--trainer.strategy.init_args.check_batches=warn",
+             "--trainer.strategy.init_args.broadcast_batches=true", "--trainer.strategy.init_args.nonfinite=skip",
+             "--trainer.strategy.init_args.pipeline_timeout=0:05:00")
     losses = _train_losses(tmp_path)
     assert losses and all(math.isfinite(l) and l > 0 for l in losses)
     ckpts = list(Path(tmp_path).rglob("*.ckpt"))

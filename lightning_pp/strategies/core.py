@@ -19,7 +19,8 @@ from lightning_pp.runtime import (
     build_topology,
     check_protocol,
 )
-from lightning_pp.runtime.executor import check_nonfinite_policy
+from lightning_pp.runtime.executor import check_batch_policy, check_nonfinite_policy
+from lightning_pp.runtime.failure import WatchdogConfig
 from lightning_pp.runtime.grads import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.microbatch import batch_size
 from lightning_pp.runtime.partition import checkpointed_layers
@@ -49,12 +50,18 @@ class PipelineOptions:
     microbatch_group_size: Optional[int] = None
     pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT
     nonfinite: str = "raise"
-    pipeline_watchdog: bool = True
+    pipeline_watchdog: Union[bool, WatchdogConfig] = True
     activation_checkpointing: CheckpointPolicy = False
+    static_shapes: bool = True
+    check_batches: str = "raise"
+    broadcast_batches: bool = False
 
     def check_static(self) -> None:
         """Checks that need no world size (run in the constructor)."""
         check_nonfinite_policy(self.nonfinite)
+        check_batch_policy(self.check_batches, self.broadcast_batches)
+        if not isinstance(self.static_shapes, bool):
+            raise ValueError(f"static_shapes={self.static_shapes!r} is invalid: pass True or False.")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not a known schedule: choose one of {', '.join(SCHEDULES)}.")
         if self.pipeline_parallel_size is not None:
@@ -163,6 +170,9 @@ class PipelineEngine:
             nonfinite=opts.nonfinite,
             watchdog=opts.pipeline_watchdog,
             activation_checkpointing=opts.activation_checkpointing,
+            static_shapes=opts.static_shapes,
+            check_batches=opts.check_batches,
+            broadcast_batches=opts.broadcast_batches,
         )
         executor.loss_fn = self._recording_loss(module)
         module._lpp_executor = executor  # not a submodule: plain attribute
@@ -199,14 +209,15 @@ class PipelineEngine:
         return logs
 
     def gather_outputs(self, outputs: list) -> Any:
-        """Per-microbatch outputs of the last stage, concatenated, on every rank of the pipeline."""
+        """Per-microbatch outputs of the last stage (``pipeline_predict``'s results where the module
+        has it), joined along the batch, on every rank of the pipeline: tensors concatenated,
+        lists chained, dicts and tuples joined field by field; anything else stays a list with one
+        entry per microbatch."""
         if self.topology.pp > 1:
-            box = [[o.cpu() if isinstance(o, torch.Tensor) else o for o in outputs]]
+            box = [_to_cpu(outputs)]
             dist.broadcast_object_list(box, src=self.last_stage_rank(), group=self.topology.pp_group)
             outputs = box[0]
-        if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
-            return torch.cat(outputs, dim=0)
-        return outputs
+        return join_microbatches(outputs)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         ex = self.executor
@@ -215,6 +226,33 @@ class PipelineEngine:
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         ex = self.executor
         return grad_norm(ex.grad_sync, ex.topology, ex.partition, norm_type)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return type(value)((k, _to_cpu(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def join_microbatches(outputs: list) -> Any:
+    """Join per-microbatch results along the batch (see ``PipelineEngine.gather_outputs``)."""
+    if not outputs:
+        return outputs
+    first = outputs[0]
+    if all(isinstance(o, torch.Tensor) and o.dim() > 0 for o in outputs):
+        return torch.cat(outputs, dim=0)
+    if all(isinstance(o, list) for o in outputs):
+        return [item for o in outputs for item in o]
+    if all(isinstance(o, dict) for o in outputs) and all(o.keys() == first.keys() for o in outputs):
+        return type(first)((k, join_microbatches([o[k] for o in outputs])) for k in first)
+    if (all(isinstance(o, tuple) and not hasattr(o, "_fields") for o in outputs)
+            and len({len(o) for o in outputs}) == 1):
+        return tuple(join_microbatches([o[i] for o in outputs]) for i in range(len(first)))
+    return outputs
 
 
 class PipelineStrategyMixin:

@@ -25,11 +25,13 @@ from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_pp.runtime.failure import WatchdogConfig
 from lightning_pp.strategies import checkpoint as ckpt
 from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineOptions, PipelineStrategyMixin
 
 ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe"]
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
+BatchCheck = Literal["raise", "warn", "off"]
 
 
 def _unwrap(module: Any) -> nn.Module:
@@ -37,7 +39,8 @@ def _unwrap(module: Any) -> nn.Module:
 
 
 class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
-    """Pipeline-parallel strategy for Fabric; the constructor mirrors ``PipelineStrategy``.
+    """Pipeline-parallel strategy for Fabric; the constructor mirrors ``PipelineStrategy`` (see its
+    docstring for every argument).
 
     With ``nonfinite="skip"``, a skipped step leaves ``.grad`` as it was before the step (``None``
     after ``optimizer.zero_grad()``), so the ``optimizer.step()`` that follows changes nothing;
@@ -55,8 +58,11 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         microbatch_group_size: Optional[int] = None,
         pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT,
         nonfinite: NonFinitePolicy = "raise",
-        pipeline_watchdog: bool = True,
+        pipeline_watchdog: Union[bool, WatchdogConfig] = True,
         activation_checkpointing: Union[bool, list[type]] = False,
+        static_shapes: bool = True,
+        check_batches: BatchCheck = "raise",
+        broadcast_batches: bool = False,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -80,7 +86,8 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             pipeline_parallel_size, expert_parallel_size, virtual_pipeline_size, num_microbatches,
             schedule, layout, microbatch_group_size, pipeline_timeout,
             nonfinite=nonfinite, pipeline_watchdog=pipeline_watchdog,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=activation_checkpointing, static_shapes=static_shapes,
+            check_batches=check_batches, broadcast_batches=broadcast_batches,
         )
         self.options.check_static()
         self.engine = PipelineEngine(self.options)
@@ -89,6 +96,34 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.engine.setup_topology(self.root_device.type)
+        self._install_excepthook()
+
+    def _install_excepthook(self) -> None:
+        """Fabric has no ``on_exception`` hook: an exception that ends the program (uncaught, so
+        ``sys.excepthook`` runs) is recorded on the job's failure board, or, if it is a communication
+        error caused by a peer, annotated with the peer's record, as the Trainer strategy's
+        ``on_exception`` does. Installed once per process, chained to the previous hook; it follows
+        the most recently set-up strategy. An exception the user catches is the user's to report."""
+        import weakref
+
+        from lightning_pp.runtime.failure import FailureBoard, install_excepthook
+
+        strategy = weakref.ref(self)
+
+        def context():
+            current = strategy()
+            if current is None:
+                return None
+            engine = current.engine
+            executor = engine.executor
+            board = executor.board if executor is not None else FailureBoard()
+            if board.store is None:
+                return None
+            topology = executor.topology if executor is not None else engine.topology
+            me = topology.describe() if topology is not None else f"rank {current.global_rank}"
+            return board, me, executor.diagnosis if executor is not None else None, None
+
+        install_excepthook(context)
 
     # -- modules and optimizers ---------------------------------------------------------------
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None):
@@ -164,17 +199,26 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         if isinstance(state, (nn.Module, Optimizer)) or state is None:
             raise TypeError("FabricPipelineStrategy.load_checkpoint needs the state dict you saved, e.g. {'model': model, 'optimizer': opt}.")
         module = self._find_module(state)
-        shards = {}
-        for key, obj in state.items():
-            if isinstance(obj, nn.Module):
-                shards[key] = _unwrap(obj).state_dict()
-            elif isinstance(obj, Optimizer):
-                shards[key] = ckpt.optimizer_state(module, obj)
-        meta = ckpt.load(path, shards, layout=ckpt.layout_of(module._lpp_executor))
+        if ckpt.find_checkpoint(path) is None:
+            # A single file, e.g. saved by a one-device Fabric: {"model": state_dict, "optimizer":
+            # optimizer.state_dict(), ...}. Each rank takes its parameters' part.
+            meta = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+            for key, obj in state.items():
+                if isinstance(obj, (nn.Module, Optimizer)) and key not in meta:
+                    raise KeyError(f"the checkpoint {path} has no {key!r} entry (it has {sorted(meta)})")
+                if isinstance(obj, nn.Module):
+                    ckpt.load_full_state_dict(_unwrap(obj), meta.pop(key), strict=strict)
+                elif isinstance(obj, Optimizer):
+                    ckpt.load_optimizer_state(module, obj, meta.pop(key), where=f"{path} ({key!r})")
+        else:
+            shards: dict[str, Any] = {}
+            for key, obj in state.items():
+                if isinstance(obj, nn.Module):
+                    shards[key] = _unwrap(obj).state_dict()
+                elif isinstance(obj, Optimizer):
+                    shards[key] = ckpt.OptimizerShard(module, obj)
+            meta = ckpt.load(path, shards, layout=ckpt.layout_of(module._lpp_executor))
         meta.pop(ckpt.LAYOUT_KEY, None)
-        for key, obj in state.items():
-            if isinstance(obj, Optimizer):
-                ckpt.load_optimizer_state(module, obj, shards[key])
         for key in list(meta):
             if key in state and not isinstance(state[key], (nn.Module, Optimizer)):
                 state[key] = meta.pop(key)

@@ -33,11 +33,17 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_pp.runtime.failure import WatchdogConfig
 from lightning_pp.strategies import checkpoint as ckpt
 from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineOptions, PipelineStrategyMixin
 
 ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe"]
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
+BatchCheck = Literal["raise", "warn", "off"]
+
+
+# ``sync_dist_group`` of the values the strategy logs that every rank already holds alike.
+ALREADY_GLOBAL = "lightning_pp:already-global"
 
 
 class _PipelineAutomaticOptimization(_AutomaticOptimization):
@@ -77,6 +83,15 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         activation_checkpointing: pipeline layers that keep only their inputs and recompute their
             forward during backward: ``True`` (every layer except those that communicate, such as
             MoE blocks), ``False``, or a list of layer classes, e.g. ``[TransformerBlock]``.
+        static_shapes: ``True`` (default) when what crosses a stage boundary has shapes that
+            follow from the batch's shapes, so a step that repeats the previous step's batch shapes
+            sends no shape headers; ``False`` for layers whose output shapes depend on the data.
+        check_batches: compare, every step, a fingerprint of the batch each stage of a pipeline
+            loaded (it rides on the loss all-reduce): ``"raise"`` (default), ``"warn"`` or ``"off"``.
+            Stages given different batches (rank-dependent randomness in the data pipeline) would
+            pair one sample's inputs with another's targets.
+        broadcast_batches: use pipeline rank 0's batch on every stage (one broadcast per step), for
+            data pipelines that cannot give every stage the same batch.
         process_group_backend, timeout, start_method, accelerator, parallel_devices,
         cluster_environment, checkpoint_io, precision_plugin: as for ``DDPStrategy``.
     """
@@ -94,8 +109,11 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         microbatch_group_size: Optional[int] = None,
         pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT,
         nonfinite: NonFinitePolicy = "raise",
-        pipeline_watchdog: bool = True,
+        pipeline_watchdog: Union[bool, WatchdogConfig] = True,
         activation_checkpointing: Union[bool, list[type]] = False,
+        static_shapes: bool = True,
+        check_batches: BatchCheck = "raise",
+        broadcast_batches: bool = False,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -119,7 +137,8 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             pipeline_parallel_size, expert_parallel_size, virtual_pipeline_size, num_microbatches,
             schedule, layout, microbatch_group_size, pipeline_timeout,
             nonfinite=nonfinite, pipeline_watchdog=pipeline_watchdog,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=activation_checkpointing, static_shapes=static_shapes,
+            check_batches=check_batches, broadcast_batches=broadcast_batches,
         )
         self.options.check_static()
         self.engine = PipelineEngine(self.options)
@@ -146,6 +165,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.engine.setup_module(self.lightning_module, self.root_device)
+        warn_unused_step_methods(self.lightning_module, trainer.state.fn)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             epoch_loop = trainer.fit_loop.epoch_loop
@@ -202,17 +222,36 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         call._call_lightning_module_hook(trainer, "on_before_backward", loss)
         call._call_callback_hooks(trainer, "on_after_backward")
         call._call_lightning_module_hook(trainer, "on_after_backward")
-        self._replay_logs(len_of(batch))
+        user_logged = self._replay_logs(len_of(batch))
         if not self._last_step_skipped:  # a skipped step's inf/nan would poison the epoch mean
-            module.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len_of(batch))
+            self._log_loss("train_loss", loss, user_logged, batch, on_step=True, on_epoch=True)
         return loss
 
     def _eval_step(self, batch: Any, name: str) -> torch.Tensor:
         result = self.engine.executor.eval_step(batch, compute_loss=True)
         loss = result.loss
-        self._replay_logs(len_of(batch))
-        self.lightning_module.log(name, loss, prog_bar=True, batch_size=len_of(batch))
+        user_logged = self._replay_logs(len_of(batch))
+        self._log_loss(name, loss, user_logged, batch)
         return loss
+
+    def _log_loss(self, name: str, loss: torch.Tensor, user_logged: set, batch: Any, **kwargs: Any) -> None:
+        """Log the batch loss as ``train_loss`` / ``val_loss`` / ``test_loss`` (what a one-device
+        ``training_step`` usually logs, so ``ModelCheckpoint(monitor="val_loss")`` works), unless
+        the user's ``pipeline_loss`` logged that name itself: theirs is kept, so the two never
+        clash. The value is already the global batch loss on every rank, so Lightning's reduction
+        is skipped (and with it its advice to pass ``sync_dist=True``, which the user could not
+        follow): see :meth:`reduce`."""
+        if name in user_logged:
+            return
+        self.lightning_module.log(name, loss, prog_bar=True, batch_size=len_of(batch), sync_dist=True,
+                                  sync_dist_group=ALREADY_GLOBAL, **kwargs)
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        """As ``DDPStrategy.reduce``, except for values the strategy logged that are already the same
+        global value on every rank (``group=ALREADY_GLOBAL``): returned as they are."""
+        if group is ALREADY_GLOBAL:
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step(args[0], "val_loss")
@@ -231,13 +270,16 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             result = self.engine.executor.eval_step(batch, compute_loss=False, collect_outputs=True)
         return self.engine.gather_outputs(result.outputs)
 
-    def _replay_logs(self, batch_size: Optional[int]) -> None:
+    def _replay_logs(self, batch_size: Optional[int]) -> set:
+        """Log on every rank what ``pipeline_loss`` logged on the last stage; the names logged."""
         from lightning.pytorch import LightningModule
 
-        for name, (value, kwargs) in self.engine.gather_logs().items():
+        logs = self.engine.gather_logs()
+        for name, (value, kwargs) in logs.items():
             kwargs = dict(kwargs)
             kwargs.setdefault("batch_size", batch_size)
-            LightningModule.log(self.lightning_module, name, torch.tensor(value, dtype=torch.float32), **kwargs)
+            LightningModule.log(self.lightning_module, name, torch.tensor(value, dtype=torch.float64), **kwargs)
+        return set(logs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         raise RuntimeError(
@@ -265,20 +307,30 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         module = self.lightning_module
-        if ckpt.find_checkpoint(checkpoint_path) is None:
-            # A single-file (e.g. consolidated) checkpoint: weights only.
-            checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=bool(weights_only))
-            ckpt.load_full_state_dict(module, checkpoint["state_dict"])
-            return checkpoint
-        shards = {"model": module.state_dict()}
         fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
+        if ckpt.find_checkpoint(checkpoint_path) is None:
+            # A single file: a one-device Trainer's .ckpt or a consolidated pipeline checkpoint. Its
+            # optimizer states are one-device state dicts; each rank takes its parameters' part.
+            checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=bool(weights_only))
+            ckpt.load_full_state_dict(module, checkpoint["state_dict"])
+            if optimizers:
+                states = checkpoint.get("optimizer_states")
+                if states is None:
+                    raise KeyError(
+                        f"Trying to restore optimizer state but the checkpoint {checkpoint_path} contains only the "
+                        f"model. This is probably due to `ModelCheckpoint.save_weights_only` being set to `True`."
+                    )
+                if len(states) != len(optimizers):
+                    raise ValueError(f"the checkpoint {checkpoint_path} holds {len(states)} optimizer state(s) but "
+                                     f"configure_optimizers returns {len(optimizers)} optimizer(s)")
+                for i, (optimizer, state) in enumerate(zip(optimizers, states)):
+                    ckpt.load_optimizer_state(module, optimizer, state, where=f"{checkpoint_path} (optimizer {i})")
+            return checkpoint
+        shards: dict[str, Any] = {"model": module.state_dict()}
         for i, optimizer in enumerate(optimizers):
-            shards[f"optimizer_{i}"] = ckpt.optimizer_state(module, optimizer)
-        meta = ckpt.load(checkpoint_path, shards, layout=ckpt.layout_of(self.engine.executor))
-        for i, optimizer in enumerate(optimizers):
-            ckpt.load_optimizer_state(module, optimizer, shards[f"optimizer_{i}"])
-        return meta
+            shards[f"optimizer_{i}"] = ckpt.OptimizerShard(module, optimizer)
+        return ckpt.load(checkpoint_path, shards, layout=ckpt.layout_of(self.engine.executor))
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         pass  # loaded in load_checkpoint
@@ -296,6 +348,99 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+    # -- failures outside the pipeline step ---------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        """Called by Lightning on a rank whose run ``exception`` ends, before teardown (after the
+        callbacks' ``on_exception``). Makes every rank's error name the rank that failed first, as
+        for failures inside the step (see ``lightning_pp.runtime.failure.explain_exception``):
+
+        * raised here outside the pipeline step (a hook, the DataLoader, between steps): this rank
+          goes on the job's failure board as ``rank 1 (pp=1, dp=0, ep=0) failed outside the
+          pipeline step (in MyModule.on_train_batch_end): ValueError: ...``;
+        * a communication error caused by a peer that failed (e.g. in Lightning's own barrier or
+          broadcast, or the strategy's log broadcast): the peer's record is looked up (waiting up to
+          2 s for it) and added to the exception as a note; this rank never blames itself;
+        * a pipeline failure (``PipelineError``, ``NonFiniteError``, one the step recorded): as is.
+        """
+        super().on_exception(exception)
+        try:
+            self._explain_exception(exception)
+        except Exception:  # noqa: BLE001 - never replace the user's exception with ours
+            pass
+
+    def _explain_exception(self, exception: BaseException) -> None:
+        from lightning_pp.runtime.failure import FailureBoard, explain_exception, locate
+
+        engine = self.engine
+        executor = engine.executor
+        board = executor.board if executor is not None else FailureBoard()
+        if board.store is None:
+            return  # no process group (yet): the error stays local
+        topology = executor.topology if executor is not None else engine.topology
+        me = topology.describe() if topology is not None else f"rank {self.global_rank}"
+        explain_exception(exception, board, me, where=locate(exception, self._lightning_hook_of),
+                          diagnosis=executor.diagnosis if executor is not None else None)
+
+    @staticmethod
+    def _lightning_hook_of(frame) -> Optional[str]:
+        """``MyModule.on_train_batch_end`` for a frame of Lightning's hook dispatch (``trainer/call.py``)."""
+        import os
+
+        code = frame.f_code
+        if not code.co_filename.endswith(os.path.join("trainer", "call.py")):
+            return None
+        hook = frame.f_locals.get("hook_name")
+        if not isinstance(hook, str):
+            return None
+        owner = {
+            "_call_callback_hooks": "callback",
+            "_call_lightning_module_hook": "pl_module",
+        }.get(code.co_name)
+        if owner is not None and frame.f_locals.get(owner) is not None:
+            return f"{type(frame.f_locals[owner]).__name__}.{hook}"
+        return hook
+
+
+_STEP_METHODS = {
+    TrainerFn.FITTING: ("training_step", "validation_step"),
+    TrainerFn.VALIDATING: ("validation_step",),
+    TrainerFn.TESTING: ("test_step",),
+    TrainerFn.PREDICTING: ("predict_step",),
+}
+_STEP_ADVICE = {
+    "training_step": "the loss comes from pipeline_loss, run on the last stage for every microbatch (the "
+                     "strategy logs it as train_loss); log training metrics there with self.log "
+                     "(self.training is True)",
+    "validation_step": "the loss comes from pipeline_loss (logged as val_loss); log validation metrics "
+                       "there with self.log (self.training is False, self.trainer.validating is True), e.g. "
+                       "for EarlyStopping or ModelCheckpoint to monitor",
+    "test_step": "the loss comes from pipeline_loss (logged as test_loss); log test metrics there with "
+                 "self.log (self.training is False, self.trainer.testing is True)",
+    "predict_step": "predictions are the last layer's outputs; post-process them (argmax, decoding) in "
+                    "pipeline_predict(self, output, batch), which the last stage calls for every microbatch",
+}
+_warned_step_methods: set = set()
+
+
+def warn_unused_step_methods(module: Any, fn: Any) -> None:
+    """Warn once per class and method when ``module`` overrides a step method that the pipeline
+    does not call for ``fn`` (the pipeline runs the layers itself, stage by stage)."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    for name in _STEP_METHODS.get(fn, ()):
+        if name == "training_step" and not module.automatic_optimization:
+            continue  # manual optimization: training_step is called (it calls pipeline_step)
+        own = getattr(type(module), name, None)
+        if own is None or own is getattr(LightningModule, name) or (type(module), name) in _warned_step_methods:
+            continue
+        _warned_step_methods.add((type(module), name))
+        rank_zero_warn(
+            f"{type(module).__name__}.{name} is not called under pipeline parallelism (lightning_pp): the "
+            f"pipeline runs the model's layers itself, stage by stage, so anything else it does (logging, "
+            f"post-processing) does not happen. Instead: {_STEP_ADVICE[name]}."
+        )
 
 
 def len_of(batch: Any) -> Optional[int]:
