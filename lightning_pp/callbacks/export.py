@@ -178,8 +178,9 @@ def export_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: Pa
 def export_png(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: PathLike,
                step: Optional[int] = None, alignment: str = "auto", stats: Optional[PipelineStats] = None,
                dpi: int = 110) -> Path:
-    """Save the step as a timeline picture (format from the extension; needs matplotlib, the
-    ``plot`` extra). Two rows per rank, the plan (on a grey band) above the measurement; time in
+    """Save the step as a timeline picture (format from the extension). Needs matplotlib, the
+    ``plot`` extra (``pip install lightning_pp[plot]``): without it this raises ``ImportError``
+    saying so; a path that cannot be written raises ``OSError``. Two rows per rank, the plan (on a grey band) above the measurement; time in
     milliseconds from the step's first action. In measured rows hatched white marks the part of
     an action spent waiting for a neighbour's activation or gradient (``recv_wait``), red hatching
     exposed all-to-all waits, and a grey bar the optimizer step."""
@@ -273,14 +274,20 @@ def capture_step(executor, dirpath: Optional[PathLike] = None, step: Optional[in
     ``dirpath`` is given) write ``pipeline_trace_step{step}.json`` and
     ``pipeline_timeline_step{step}.png`` there. Collective: call it on every rank after the same
     ``train_step`` (and after the optimizer step if you timed it into ``executor.timeline``).
-    Returns the same :class:`PipelineStats` on every rank."""
+    Returns the same :class:`PipelineStats` on every rank.
+
+    The files are an explicit request, so a failure to write them raises on global rank 0 (the
+    only rank that writes, after the gather): ``write_png`` needs matplotlib, the ``plot`` extra
+    (``pip install lightning_pp[plot]``; else ``ImportError``; pass ``write_png=False`` without it),
+    and ``dirpath`` must be creatable and writable (else ``OSError``). ``PipelineMonitor`` instead
+    warns and goes on."""
     import torch.distributed as dist
 
     records = gather_spans(executor.timeline, group=group, topology=executor.topology)
-    stats = analyze(records, executor.config, alignment=alignment)
+    stats = analyze(records, executor.step_config, alignment=alignment)
     is_zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if dirpath is not None and is_zero:
-        write_step_files(records, executor.config, dirpath, step, stats, write_trace, write_png)
+        write_step_files(records, executor.step_config, dirpath, step, stats, write_trace, write_png)
     return stats
 
 

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_pp.callbacks.analysis import OPTIMIZER, PipelineStats, RankTimeline, analyze, gather_spans
-from lightning_pp.callbacks.export import write_step_files
+from lightning_pp.callbacks.export import export_png, export_trace, step_file_names
 from lightning_pp.runtime.microbatch import batch_size
 
 
@@ -53,7 +53,9 @@ class PipelineMonitor(Callback):
         trace_step: 0-based index of the training batch (counted over the whole fit) whose trace
             and picture are written; default: the first analysed batch (``every_n_steps - 1``).
         write_trace: write ``pipeline_trace_step{k}.json`` (Chrome / Perfetto).
-        write_png: write ``pipeline_timeline_step{k}.png`` (needs matplotlib: the ``plot`` extra).
+        write_png: write ``pipeline_timeline_step{k}.png``. It needs matplotlib (the ``plot`` extra,
+            ``pip install lightning_pp[plot]``); without it the monitor warns once at setup and writes
+            the trace and logs the metrics as usual.
         tokens_per_sample: tokens in one sample, or a function ``batch -> tokens`` of a batch, for
             ``tokens_per_s``. Default: the element count of the batch's first tensor when it holds
             integer token ids with a sequence dimension; otherwise tokens/s is not logged.
@@ -71,6 +73,9 @@ class PipelineMonitor(Callback):
 
     Set ``enabled = False`` (on every rank) to pause it. Nothing is gathered while the executor's
     timeline is off (``executor.timeline.enabled = False``).
+
+    The files are optional output: one that cannot be written (a missing optional dependency, a
+    directory that cannot be created, a full disk) is reported in a warning and training goes on.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class PipelineMonitor(Callback):
         #: Files written (global rank 0 only).
         self.written: list[Path] = []
         self._executor = None
+        self._png_unavailable: Optional[str] = None  # why the picture cannot be drawn (checked at setup)
         self._hooks: list = []
         self._batch_index = -1
         self._reset_window()
@@ -152,6 +158,22 @@ class PipelineMonitor(Callback):
                 self._tokens = None  # no token count for this data
 
     # -- hooks ----------------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not self.write_png or self._png_unavailable is not None or not trainer.is_global_zero:
+            return  # only global rank 0 draws
+        from lightning_pp.schedules.render import require_matplotlib
+
+        try:
+            require_matplotlib("PipelineMonitor(write_png=True)")
+        except ImportError as err:
+            self._png_unavailable = str(err)
+            rank_zero_warn(
+                "PipelineMonitor cannot draw the timeline picture (pipeline_timeline_step*.png): matplotlib is "
+                "not installed. Install the `plot` extra (`pip install lightning_pp[plot]`) to get it, or pass "
+                "write_png=False to silence this warning. Training goes on; the Chrome trace and the pipeline "
+                "metrics are written as usual."
+            )
+
     def on_train_start(self, trainer, pl_module) -> None:
         self._executor = self._find_executor(trainer, pl_module)
         if self._executor is None:
@@ -220,7 +242,7 @@ class PipelineMonitor(Callback):
         executor = self._executor
         extra = {"samples": self._samples, "tokens": self._tokens, "seconds": self._seconds}
         records = gather_spans(executor.timeline, topology=executor.topology, extra=extra)
-        stats = analyze(records, executor.config, alignment=self.alignment)
+        stats = analyze(records, executor.step_config, alignment=self.alignment)
         self._reset_window()
         metrics = stats.metrics(self.prefix)
         metrics.update(self._throughput(records))
@@ -238,8 +260,34 @@ class PipelineMonitor(Callback):
         if index == self.trace_step and (self.write_trace or self.write_png):
             dirpath = self.dirpath if self.dirpath is not None else trainer.log_dir  # collective: every rank
             if trainer.is_global_zero:
-                self.written += write_step_files(records, executor.config, dirpath or ".", index, stats,
-                                                 self.write_trace, self.write_png)
+                self._write_files(records, executor.step_config, Path(dirpath or "."), index, stats)
+
+    def _write_files(self, records, config, dirpath: Path, index: int, stats: PipelineStats) -> None:
+        """The trace and the picture of batch ``index``, each optional: a file that cannot be
+        written is reported in a warning (training goes on) and left out of :attr:`written`."""
+        trace_name, png_name = step_file_names(index)
+        outputs = []
+        if self.write_trace:
+            outputs.append(("Chrome trace", dirpath / trace_name, export_trace))
+        if self.write_png and self._png_unavailable is None:
+            outputs.append(("timeline picture", dirpath / png_name, export_png))
+        if not outputs:
+            return
+        try:
+            dirpath.mkdir(parents=True, exist_ok=True)
+        except Exception as err:  # noqa: BLE001 - optional output never ends a run
+            rank_zero_warn(f"PipelineMonitor cannot create its directory {str(dirpath)!r} ({type(err).__name__}: "
+                           f"{err}), so it writes no trace or picture of batch {index}. Training goes on; pass a "
+                           f"writable `dirpath`.")
+            return
+        for what, path, export in outputs:
+            try:
+                export(records, config, path, step=index, stats=stats)
+            except Exception as err:  # noqa: BLE001 - optional output never ends a run
+                rank_zero_warn(f"PipelineMonitor could not write its {what} {str(path)!r} ({type(err).__name__}: "
+                               f"{err}). Training goes on.")
+                continue
+            self.written.append(path)
 
     def _throughput(self, records: list[RankTimeline]) -> dict:
         """Samples (and tokens) per second over the batches since the last analysis: every
