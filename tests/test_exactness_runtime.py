@@ -92,18 +92,13 @@ TIES_DATA_PARALLEL = [  # world 4: pp=2 x dp=2
 ]
 
 
-@pytest.mark.timeout(200)
-def test_ties_in_any_order_match_one_device():
-    per_rank = run_distributed(_run, 2, TIES_TWO_RANKS, timeout=180)
-    _check_all(TIES_TWO_RANKS, per_rank)
+def test_ties_in_any_order_match_one_device(two_ranks):
+    _check_all(TIES_TWO_RANKS, two_ranks("ties"))
 
 
-@pytest.mark.timeout(200)
-def test_ties_across_three_stages_and_with_data_parallel_match_one_device():
-    per_rank = run_distributed(_run, 4, TIES_FOUR_RANKS, timeout=180)
-    _check_all(TIES_FOUR_RANKS, per_rank)
-    per_rank = run_distributed(_run, 4, TIES_DATA_PARALLEL, timeout=180)
-    _check_all(TIES_DATA_PARALLEL, per_rank)
+def test_ties_across_three_stages_and_with_data_parallel_match_one_device(four_ranks):
+    _check_all(TIES_FOUR_RANKS, four_ranks("ties"))
+    _check_all(TIES_DATA_PARALLEL, four_ranks("ties_dp"))
 
 
 # -- a parameter without a gradient on one device has none here ---------------------------------------
@@ -121,12 +116,9 @@ NOGRAD_DATA_PARALLEL = [
 ]
 
 
-@pytest.mark.timeout(200)
-def test_parameters_without_gradients_keep_none():
-    per_rank = run_distributed(_run, 2, NOGRAD_TWO_RANKS, timeout=180)
-    _check_all(NOGRAD_TWO_RANKS, per_rank)
-    per_rank = run_distributed(_run, 4, NOGRAD_DATA_PARALLEL, timeout=180)
-    _check_all(NOGRAD_DATA_PARALLEL, per_rank)
+def test_parameters_without_gradients_keep_none(two_ranks, four_ranks):
+    _check_all(NOGRAD_TWO_RANKS, two_ranks("nograd"))
+    _check_all(NOGRAD_DATA_PARALLEL, four_ranks("nograd"))
 
 
 # -- per-sample Python lists are split with their samples ---------------------------------------------
@@ -136,12 +128,12 @@ RAGGED = [
 ]
 
 
-@pytest.mark.timeout(200)
-def test_per_sample_lists_follow_their_samples():
-    per_rank = run_distributed(_run, 2, RAGGED, timeout=180)
-    _check_all(RAGGED, per_rank)
-    data_parallel = [dict(model="ragged", pp=2, m=2, batch=8)]
-    _check_all(data_parallel, run_distributed(_run, 4, data_parallel, timeout=180))
+RAGGED_DATA_PARALLEL = [dict(model="ragged", pp=2, m=2, batch=8)]
+
+
+def test_per_sample_lists_follow_their_samples(two_ranks, four_ranks):
+    _check_all(RAGGED, two_ranks("ragged"))
+    _check_all(RAGGED_DATA_PARALLEL, four_ranks("ragged"))
 
 
 # -- batches smaller than num_microbatches run with fewer microbatches ----------------------------------
@@ -158,11 +150,9 @@ TAILS_FOUR_RANKS = [
 ]
 
 
-@pytest.mark.timeout(200)
-def test_batches_smaller_than_the_microbatch_count_are_exact():
-    per_rank = run_distributed(_run, 2, TAILS_TWO_RANKS, timeout=180)
-    _check_all(TAILS_TWO_RANKS, per_rank)
-    _check_all(TAILS_FOUR_RANKS, run_distributed(_run, 4, TAILS_FOUR_RANKS, timeout=180))
+def test_batches_smaller_than_the_microbatch_count_are_exact(two_ranks, four_ranks):
+    _check_all(TAILS_TWO_RANKS, two_ranks("tails"))
+    _check_all(TAILS_FOUR_RANKS, four_ranks("tails"))
 
 
 
@@ -184,9 +174,8 @@ def _dropout(rank, world, pp):
     return results
 
 
-@pytest.mark.timeout(200)
-def test_dropout_masks_differ_across_stages_and_replicas_and_reproduce():
-    per_rank = run_distributed(_dropout, 4, 2, timeout=180)  # pp=2 x dp=2
+def test_dropout_masks_differ_across_stages_and_replicas_and_reproduce(four_ranks):
+    per_rank = four_ranks("dropout")  # pp=2 x dp=2
     first_masks = {}
     for rank, (plain, again, recomputed) in enumerate(per_rank):
         # bitwise reproducible from the seed, and activation recomputation replays the same masks
@@ -224,17 +213,56 @@ def _rank_dependent_batches(rank, world, options):
     return "trained", out, [str(w.message) for w in caught if "different batches" in str(w.message)]
 
 
-@pytest.mark.timeout(200)
-def test_stages_fed_different_batches_raise_warn_or_use_rank_zeros_batch():
-    for rank, result in enumerate(run_distributed(_rank_dependent_batches, 2, {}, timeout=120)):
+def test_stages_fed_different_batches_raise_warn_or_use_rank_zeros_batch(two_ranks):
+    for rank, result in enumerate(two_ranks("batches_raise")):
         assert result[0] == "raised", f"rank {rank} trained on mismatched batches"
         assert "training step 1" in result[1] and "pipeline rank(s) [1]" in result[1], result[1]
         assert "broadcast_batches=True" in result[1]
-    for rank, result in enumerate(run_distributed(_rank_dependent_batches, 2, {"check_batches": "warn"}, timeout=120)):
+    for rank, result in enumerate(two_ranks("batches_warn")):
         assert result[0] == "trained" and len(result[2]) == 2, result  # steps 1 and 2, on every rank
     # broadcast_batches: every stage runs pipeline rank 0's batch, so this is one device on rank 0's data
-    per_rank = run_distributed(_rank_dependent_batches, 2, {"broadcast_batches": True}, timeout=120)
+    per_rank = two_ranks("batches_broadcast")
     torch.manual_seed(7)
     reference = reference_steps(NoGradNet(stop_after=None).double(), [plain_batches(11, 6, steps=1)[0]] * 3)
     assert all(r[0] == "trained" and not r[2] for r in per_rank)
     compare("broadcast_batches", reference, [r[1] for r in per_rank])
+
+
+# -- every case runs in one launch per world size (a launch costs seconds; a case, milliseconds) -------
+JOBS = {"cases": _run, "dropout": _dropout, "batches": _rank_dependent_batches}
+TWO_RANK_JOBS = {
+    "ties": ("cases", TIES_TWO_RANKS),
+    "nograd": ("cases", NOGRAD_TWO_RANKS),
+    "ragged": ("cases", RAGGED),
+    "tails": ("cases", TAILS_TWO_RANKS),
+    "batches_warn": ("batches", {"check_batches": "warn"}),
+    "batches_broadcast": ("batches", {"broadcast_batches": True}),
+    "batches_raise": ("batches", {}),  # last: a failed step leaves the job's failure board set
+}
+FOUR_RANK_JOBS = {
+    "ties": ("cases", TIES_FOUR_RANKS),
+    "ties_dp": ("cases", TIES_DATA_PARALLEL),
+    "nograd": ("cases", NOGRAD_DATA_PARALLEL),
+    "ragged": ("cases", RAGGED_DATA_PARALLEL),
+    "tails": ("cases", TAILS_FOUR_RANKS),
+    "dropout": ("dropout", 2),
+}
+
+
+def _jobs(rank, world, jobs):
+    return {name: JOBS[kind](rank, world, arg) for name, (kind, arg) in jobs.items()}
+
+
+def _launch(world, jobs):
+    per_rank = run_distributed(_jobs, world, jobs, timeout=280)
+    return lambda name: [results[name] for results in per_rank]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return _launch(2, TWO_RANK_JOBS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return _launch(4, FOUR_RANK_JOBS)
