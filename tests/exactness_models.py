@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import Layered
+
 
 class TiedLinear(nn.Module):
     """A linear layer whose weight is another layer's (``transpose``: used as ``W.T``, as a tied
@@ -29,7 +31,7 @@ class TiedLinear(nn.Module):
         return torch.tanh(F.linear(x, w, self.bias))
 
 
-class MirrorAutoencoder(nn.Module):
+class MirrorAutoencoder(Layered):
     """Encoder i shares its weight with decoder n-1-i, so the two pipeline stages list their tied
     copies in opposite orders. ``dims`` equal: every tie has the same shape (pairing the wrong
     tensors trains silently wrong); different: shapes differ (pairing them aborts the reduction)."""
@@ -43,14 +45,6 @@ class MirrorAutoencoder(nn.Module):
 
     def pipeline_layers(self):
         return [*self.encoder, *self.decoder]
-
-    def pipeline_loss(self, output, batch):
-        return F.mse_loss(output, batch[1])
-
-    def forward(self, x):
-        for layer in self.pipeline_layers():
-            x = layer(x)
-        return x
 
 
 class SharedGainBlock(nn.Module):
@@ -69,7 +63,7 @@ class SharedGainBlock(nn.Module):
         return h
 
 
-class TieNet(nn.Module):
+class TieNet(Layered):
     """``ties[k]`` lists the layers that share matrix ``k`` (shape ``(k + 2, hidden)``). Layers are
     built in order, so a layer lists its shared matrices in the order given by ``ties``."""
 
@@ -89,14 +83,6 @@ class TieNet(nn.Module):
 
     def pipeline_layers(self):
         return [self.inp, *self.blocks, self.out]
-
-    def pipeline_loss(self, output, batch):
-        return F.mse_loss(output, batch[1])
-
-    def forward(self, x):
-        for layer in self.pipeline_layers():
-            x = layer(x)
-        return x
 
 
 class Gated(nn.Module):
@@ -125,7 +111,7 @@ class StopGradient(nn.Module):
         return h.detach()
 
 
-class NoGradNet(nn.Module):
+class NoGradNet(Layered):
     """Parameters without gradients on every stage, and a stop-gradient at a stage boundary: the
     stages before it get no gradient at all."""
 
@@ -141,16 +127,8 @@ class NoGradNet(nn.Module):
     def pipeline_layers(self):
         return [self.inp, *self.blocks, self.out]
 
-    def pipeline_loss(self, output, batch):
-        return F.mse_loss(output, batch[1])
 
-    def forward(self, x):
-        for layer in self.pipeline_layers():
-            x = layer(x)
-        return x
-
-
-class RaggedTargets(nn.Module):
+class RaggedTargets(Layered):
     """A batch ``{"x": tensor, "targets": [one tensor of its own length per sample], "names":
     [a string per sample]}``: the loss reads sample ``i``'s own target, and checks its name."""
 
@@ -174,11 +152,6 @@ class RaggedTargets(nn.Module):
             assert name == f"sample{int(target[0])}", (name, target)
             losses.append(F.mse_loss(row[: len(target)], target.to(row.dtype)))
         return torch.stack(losses).mean()
-
-    def forward(self, x):
-        for layer in self.pipeline_layers():
-            x = layer(x)
-        return x
 
 
 def ragged_batches(seed: int, batch: int, steps: int = 2):
@@ -296,7 +269,7 @@ class DropoutBlock(nn.Module):
         return h + self.drop(torch.tanh(self.fc(h)))
 
 
-class DropoutNet(nn.Module):
+class DropoutNet(Layered):
     """Every block draws a dropout mask of the same shape, so a stage that starts from another
     stage's generator state draws that stage's masks."""
 
@@ -308,14 +281,6 @@ class DropoutNet(nn.Module):
 
     def pipeline_layers(self):
         return [self.inp, *self.blocks, self.out]
-
-    def pipeline_loss(self, output, batch):
-        return F.mse_loss(output, batch[1])
-
-    def forward(self, x):
-        for layer in self.pipeline_layers():
-            x = layer(x)
-        return x
 
 
 def record_dropout_masks(model: nn.Module) -> dict:

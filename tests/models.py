@@ -36,7 +36,20 @@ class CheckpointedBlock(Block):
         return checkpoint(super().forward, x, use_reentrant=self.reentrant)
 
 
-class ToyRegressor(nn.Module):
+class Layered(nn.Module):
+    """The pipeline protocol of a model whose layers run in order: a mean squared error against
+    ``batch[1]``, and a one-device forward that runs the layers in turn."""
+
+    def pipeline_loss(self, output, batch):
+        return F.mse_loss(output, batch[1])
+
+    def forward(self, x):
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+
+class ToyRegressor(Layered):
     """Linear in, residual blocks, linear out; mean squared error. ``checkpoint``: None, or
     ``"reentrant"`` / ``"non_reentrant"`` activation checkpointing in every block."""
 
@@ -51,14 +64,6 @@ class ToyRegressor(nn.Module):
 
     def pipeline_layers(self):
         return [self.embed, *self.blocks, self.head]
-
-    def pipeline_loss(self, output, batch):
-        return F.mse_loss(output, batch[1])
-
-    def forward(self, x):
-        for layer in self.pipeline_layers():
-            x = layer(x)
-        return x
 
 
 class TiedLM(nn.Module):

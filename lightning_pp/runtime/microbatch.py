@@ -25,6 +25,7 @@ import zlib
 from typing import Any, Optional
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 try:  # optional: NumPy arrays in a batch are split like tensors
     import numpy as _np
@@ -186,33 +187,24 @@ def _stable_hash(value: Any) -> int:
 
 def batch_fingerprint(batch: Any, device: torch.device) -> torch.Tensor:
     """A float64 scalar on ``device`` that differs, with overwhelming probability, between two
-    batches that differ in any tensor value, shape, dtype, sample order, or any string or number
-    they hold. Computed without a host sync, so it can ride on a collective that already runs."""
+    batches that differ in any tensor value, shape, dtype, sample order, in their structure, or in
+    any string or number they hold. Computed without a host sync, so it can ride on a collective
+    that already runs."""
+    leaves, spec = tree_flatten(batch)
+    plain = _stable_hash(str(spec))  # the structure: containers, their keys and lengths
     parts: list[torch.Tensor] = []
-    plain = [0]
-
-    def walk(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            plain[0] = plain[0] * _FOLD + _stable_hash((tuple(obj.shape), str(obj.dtype)))
-            parts.append(_tensor_hash(obj).to(device))
-        elif _np is not None and isinstance(obj, _np.ndarray):
-            walk(torch.from_numpy(_np.ascontiguousarray(obj)))
-        elif isinstance(obj, dict):
-            for key, value in obj.items():
-                plain[0] = plain[0] * _FOLD + _stable_hash(key)
-                walk(value)
-        elif isinstance(obj, (tuple, list)):
-            plain[0] = plain[0] * _FOLD + len(obj)
-            for item in obj:
-                walk(item)
-        elif obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-            plain[0] = plain[0] * _FOLD + _stable_hash(obj)
+    for leaf in leaves:
+        if _np is not None and isinstance(leaf, _np.ndarray):
+            leaf = torch.from_numpy(_np.ascontiguousarray(leaf))
+        if isinstance(leaf, torch.Tensor):
+            plain = plain * _FOLD + _stable_hash((tuple(leaf.shape), str(leaf.dtype)))
+            parts.append(_tensor_hash(leaf).to(device))
+        elif leaf is None or isinstance(leaf, (str, bytes, int, float, bool)):
+            plain = plain * _FOLD + _stable_hash(leaf)
         else:  # an object without a stable value: only its type takes part
-            plain[0] = plain[0] * _FOLD + _stable_hash(type(obj).__qualname__)
-        plain[0] &= (1 << 63) - 1
-
-    walk(batch)
-    total = torch.tensor(plain[0], dtype=torch.int64, device=device)
+            plain = plain * _FOLD + _stable_hash(type(leaf).__qualname__)
+        plain &= (1 << 63) - 1
+    total = torch.tensor(plain, dtype=torch.int64, device=device)
     for part in parts:
         total = total * _FOLD + part
     return (total & _FINGERPRINT_BITS).to(torch.float64)
@@ -224,45 +216,17 @@ def broadcast_batch(batch: Any, src: int, group, device: torch.device) -> Any:
     ``device``."""
     import torch.distributed as dist
 
-    tensors: list[torch.Tensor] = []
-
-    def strip(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-            return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*(strip(item) for item in obj))
-        if isinstance(obj, (tuple, list)):
-            return type(obj)(strip(item) for item in obj)
-        if isinstance(obj, dict):
-            return type(obj)((key, strip(value)) for key, value in obj.items())
-        return obj
-
+    leaves, spec = tree_flatten(batch)
     mine = dist.get_rank() == src
-    box = [strip(batch) if mine else None]
+    described = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in leaves]
+    box = [(spec, described, [None if isinstance(t, torch.Tensor) else t for t in leaves]) if mine else None]
     dist.broadcast_object_list(box, src=src, group=group, device=device if device.type != "cpu" else None)
-    skeleton = box[0]
-    received: dict[int, torch.Tensor] = {}
-
-    def fill(obj: Any) -> Any:
-        if isinstance(obj, _TensorSlot):
-            t = tensors[obj.index].to(device).contiguous() if mine else torch.empty(obj.shape, dtype=obj.dtype, device=device)
-            dist.broadcast(t, src=src, group=group)
-            received[obj.index] = t
-            return t
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*(fill(item) for item in obj))
-        if isinstance(obj, (tuple, list)):
-            return type(obj)(fill(item) for item in obj)
-        if isinstance(obj, dict):
-            return type(obj)((key, fill(value)) for key, value in obj.items())
-        return obj
-
-    return fill(skeleton)
-
-
-class _TensorSlot:
-    """Where a tensor sits in a broadcast batch's structure."""
-
-    def __init__(self, index: int, shape: tuple, dtype: torch.dtype) -> None:
-        self.index, self.shape, self.dtype = index, shape, dtype
+    spec, described, plain = box[0]
+    out = []
+    for i, (tensor_spec, value) in enumerate(zip(described, plain)):
+        if tensor_spec is not None:
+            shape, dtype = tensor_spec
+            value = leaves[i].to(device).contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(value, src=src, group=group)
+        out.append(value)
+    return tree_unflatten(out, spec)
