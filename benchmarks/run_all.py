@@ -6,6 +6,7 @@
 Runs each benchmark in turn (each spawns its own gloo processes), prints its table, then the
 summary lines: ratio_vs_torch_1f1b, ratio_vs_torch_interleaved, bubble_measured_over_simulated,
 a2a_hidden_fraction, ratio_vs_torch_moe_combined, peak_memory_ratio_vs_torch, monitor_overhead,
+batch_check_bound, rng_streams_bound,
 schedule_generate_simulate_seconds, and the supporting figures.
 """
 
@@ -79,6 +80,10 @@ def main(argv=None) -> dict:
          "peak_memory_checkpointed_over_plain": "peak_memory_checkpointed_over_plain"})
     section("Timeline recording and monitor overhead", "bench_monitor_overhead", {"wait_quiet": 0.0},
             {"monitor_overhead": "monitor_overhead", "timeline_overhead": "timeline_overhead"})
+    section("Exactness guards: batch check, batch broadcast, random streams", "bench_exactness_overhead",
+            argparse.Namespace(hidden=512, blocks=6, batch=256, microbatches=4, rounds=6 if q else 12, block_size=3),
+            {"batch_check_bound": "fingerprint_bound", "rng_streams_bound": "rng_bound",
+             "batch_check_overhead": "check_overhead", "batch_broadcast_overhead": "broadcast_overhead"})
     figures["schedule_generate_simulate_seconds"] = _schedule_seconds(q)
 
     print(f"\n## Summary ({'--quick, ' if q else ''}{time.perf_counter() - started:.0f}s in all)")
