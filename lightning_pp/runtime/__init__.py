@@ -32,6 +32,7 @@ from lightning_pp.runtime.failure import (
     PipelineError,
     WatchdogConfig,
 )
+from lightning_pp.runtime.meta import has_meta_tensors, materialize
 from lightning_pp.runtime.microbatch import split_microbatches
 from lightning_pp.runtime.p2p import StageBoundaryError
 from lightning_pp.runtime.partition import (
@@ -101,6 +102,9 @@ def build_pipeline(
         layers[i]._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
     partition = cut_model(module, config.pp, config.vp, topology.pp_rank, layout, layers=layers)
     setup_expert_parallel(partition, topology, device)
+    if has_meta_tensors(module):  # built on the meta device: only what stays here gets memory
+        init_fn = getattr(module, "pipeline_init_weights", None)
+        partition.follow(materialize(module, device, torch.initial_seed(), init_fn))
     partition.forget_freed(module)  # before anything new is made: a new object may reuse a freed id
     add_frozen_stage_placeholder(module, partition)
     module.to(device)
@@ -148,6 +152,7 @@ __all__ = [
     "CheckpointPolicy",
     "cut_model",
     "layer_list",
+    "materialize",
     "normalise_loss",
     "parse_layout_string",
     "resolve_layout",

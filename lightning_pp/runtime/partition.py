@@ -119,6 +119,9 @@ class NotOnThisStage(nn.Module):
         self.layer_index = layer_index
         self.stage = stage
         self.layer_name = name
+        # A one-device state dict holds this module's entries: another rank loads them, so
+        # model.load_state_dict(one_device_state_dict) works after the cut, strict included.
+        self._register_load_state_dict_pre_hook(_belongs_to_another_rank)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError(
@@ -130,6 +133,11 @@ class NotOnThisStage(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_index}, stage={self.stage}"
+
+
+def _belongs_to_another_rank(state_dict, prefix, *args) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        del state_dict[key]
 
 
 class StageChunk:
@@ -174,6 +182,11 @@ class Partition:
     # Canonical names of every parameter of the uncut model in ``module.parameters()`` order (tied
     # parameters once), identical on every rank: the order a one-device optimizer numbers them in.
     parameter_order: list[str] = field(default_factory=list)
+
+    def follow(self, replaced: dict[int, nn.Parameter]) -> None:
+        """Index parameters that were replaced (materialised from the meta device) by their new ids."""
+        self.parameter_names = {id(replaced[pid]) if pid in replaced else pid: name
+                                for pid, name in self.parameter_names.items()}
 
     def forget_freed(self, module: nn.Module) -> None:
         """Keep in ``parameter_names`` only the parameters ``module`` still holds (the cut and expert

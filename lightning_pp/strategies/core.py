@@ -261,6 +261,9 @@ class PipelineStrategyMixin:
 
     options: PipelineOptions
     engine: PipelineEngine
+    #: Modules left on the meta device (``configure_model``, ``init_module(empty_init=True)``) are
+    #: materialised after the cut, only what each rank keeps (``lightning_pp.runtime.meta``).
+    materializes_meta_modules = True
 
     def _configure_launcher(self) -> None:
         # Runs in the launching process once devices and nodes are known: a configuration that

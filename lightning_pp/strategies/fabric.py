@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import datetime
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pp.runtime.failure import WatchdogConfig
+from lightning_pp.runtime.meta import has_meta_tensors
 from lightning_pp.strategies import checkpoint as ckpt
 from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineOptions, PipelineStrategyMixin
 
@@ -125,6 +127,17 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
         install_excepthook(context)
 
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """``fabric.init_module(empty_init=True)``: modules are built on the meta device (no
+        memory); ``setup_module`` materialises and initialises only what this rank keeps after the
+        cut (see ``lightning_pp.runtime.meta``). Otherwise as ``DDPStrategy``."""
+        if not empty_init:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
     # -- modules and optimizers ---------------------------------------------------------------
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None):
         if optimizers:
@@ -141,7 +154,8 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         return module
 
     def module_to_device(self, module: nn.Module) -> None:
-        module.to(self.root_device)
+        if not has_meta_tensors(module):  # a meta module is materialised on the device by setup_module
+            module.to(self.root_device)
 
     def pipeline_step(self, module: nn.Module, batch: Any) -> torch.Tensor:
         """Forward and backward of every microbatch of ``batch`` through the pipeline; gradients are

@@ -21,7 +21,8 @@ differ:
 from __future__ import annotations
 
 import datetime
-from typing import Any, Literal, Optional, Union
+from contextlib import contextmanager
+from typing import Any, Generator, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -152,6 +153,19 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     @property
     def lightning_restore_optimizer(self) -> bool:
         return False  # done in load_checkpoint
+
+    # -- models larger than a host ---------------------------------------------------------------
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)``: modules are built on the meta device (no
+        memory); after the cut each rank materialises and initialises only what it keeps (see
+        ``lightning_pp.runtime.meta``). Otherwise as ``DDPStrategy``."""
+        if empty_init:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
 
     # -- setup --------------------------------------------------------------------------------
     def setup_environment(self) -> None:

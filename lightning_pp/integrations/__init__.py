@@ -1,0 +1,1 @@
+"""Ready-made pipeline layers for models users already have (``litgpt``: Lightning AI's LLMs)."""
