@@ -181,3 +181,34 @@ def test_a_trainable_parameter_no_layer_reaches_is_named_at_the_cut():
     model = _KeptInside(extra=frozen)
     cut_model(model, pp=2, vp=1, pp_rank=1)  # frozen: kept on every rank
     assert model.extra is frozen
+
+
+def test_meta_model_materialises_only_what_the_rank_keeps_with_the_one_device_values():
+    from lightning_pp.runtime import materialize
+
+    with torch.device("meta"):
+        full = ToyRegressor(blocks=4)
+    materialize(full, torch.device("cpu"), seed=7)  # one device: the whole model, same procedure
+    expected = {n: p.detach().clone() for n, p in full.named_parameters()}
+    for rank in range(2):
+        with torch.device("meta"):
+            model = ToyRegressor(blocks=4)
+        others = [model.embed, model.blocks[0], model.blocks[1]] if rank == 1 else [model.blocks[2], model.blocks[3], model.head]
+        part = cut_model(model, pp=2, vp=1, pp_rank=rank)
+        part.follow(materialize(model, torch.device("cpu"), seed=7))
+        for name, p in model.named_parameters():
+            assert not p.is_meta and p.untyped_storage().nbytes() == p.numel() * p.element_size(), name
+            torch.testing.assert_close(p, expected[name], rtol=0, atol=0)
+            assert part.parameter_names[id(p)] == name  # the partition follows the new tensors
+        # the layers another rank holds were never given memory
+        assert all(p.is_meta for layer in others for p in layer.parameters())
+
+
+def test_one_device_state_dict_loads_into_a_cut_model_strictly():
+    torch.manual_seed(3)
+    one_device = ToyRegressor(blocks=4).state_dict()
+    model = ToyRegressor(blocks=4)
+    cut_model(model, pp=2, vp=1, pp_rank=1)
+    model.load_state_dict(one_device)  # strict: the other rank's keys are absorbed by its placeholders
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, one_device[name]), name

@@ -223,7 +223,8 @@ class LitGPT(L.LightningModule):
         strategy = self.trainer.strategy if self._trainer is not None else None
         if not getattr(strategy, "materializes_meta_modules", False):
             device = strategy.root_device if strategy is not None else torch.device("cpu")
-            materialize(self.model, device, torch.initial_seed(), self.pipeline_init_weights)
+            # The whole module, as the pipeline materialises it (the seeds follow the names from here).
+            materialize(self, device, torch.initial_seed(), self.pipeline_init_weights)
 
     def _load_checkpoint(self) -> None:
         if not self._checkpoint_loaded:

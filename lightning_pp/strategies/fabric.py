@@ -151,7 +151,9 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         self.engine.setup_module(module, self.root_device)
-        return module
+        # What was materialised from the meta device after the cut takes the precision's dtype, as
+        # Fabric converted the rest before (a no-op otherwise).
+        return self.precision.convert_module(module)
 
     def module_to_device(self, module: nn.Module) -> None:
         if not has_meta_tensors(module):  # a meta module is materialised on the device by setup_module

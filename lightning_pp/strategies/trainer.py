@@ -179,6 +179,9 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.engine.setup_module(self.lightning_module, self.root_device)
+        # Again: what was materialised from the meta device after the cut (e.g. a rotary cache its
+        # reset_parameters computes in float32) takes the precision's dtype, as on one device.
+        self.precision_plugin.convert_module(self.model)
         warn_unused_step_methods(self.lightning_module, trainer.state.fn)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
