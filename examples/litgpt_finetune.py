@@ -15,7 +15,6 @@ before and after fine-tuning.
 from __future__ import annotations
 
 import os
-import random
 import sys
 import sysconfig
 import zlib
@@ -25,32 +24,17 @@ import lightning as L
 import torch
 import yaml
 from lightning.pytorch.cli import LightningCLI
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import lightning_pp  # noqa: F401  (registers pp_1f1b & co.)
 from lightning_pp.integrations.litgpt import LitGPT
+from train_moe_gpt import Windows  # byte windows of a corpus (examples/ is on sys.path when run)
 
 
 def stdlib_bytes(part: int) -> bytes:
     """Half ``part`` (0 or 1) of the standard library's top-level sources, split by file name."""
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     return b"\n".join(p.read_bytes() for p in files if zlib.crc32(p.name.encode()) % 2 == part)[:3_000_000]
-
-
-class Windows(Dataset):
-    """``length`` windows of ``context`` input bytes and the ``context`` bytes that follow them."""
-
-    def __init__(self, data: bytes, context: int, length: int, seed: int) -> None:
-        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self.context, self.length, self.seed = context, length, seed
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int):
-        start = random.Random(self.seed * 1_000_003 + index).randrange(len(self.data) - self.context - 1)
-        chunk = self.data[start:start + self.context + 1].long()
-        return chunk[:-1], chunk[1:]
 
 
 class StdlibText(L.LightningDataModule):
