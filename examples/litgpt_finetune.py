@@ -94,7 +94,7 @@ def main(args=None):
         if model_args.get("checkpoint") and not Path(model_args["checkpoint"]).exists():
             make_checkpoint(model_args, config.get("data", {}))
     torch.set_num_threads(1)
-    return CLI(LitGPT, StdlibText, subclass_mode_model=True, args=args, save_config_kwargs={"overwrite": True})
+    return CLI(LitGPT, StdlibText, subclass_mode_model=True, args=args, save_config_callback=None)
 
 
 if __name__ == "__main__":
