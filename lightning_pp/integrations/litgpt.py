@@ -130,7 +130,11 @@ class Head(nn.Module):
 
 def pipeline_layers(gpt: GPT) -> list[nn.Module]:
     """The layers of a litgpt ``GPT``: the embedding, every block, the head. Adapters over the
-    model's own modules, made anew on each call (the pipeline calls it once)."""
+    model's own modules, made anew on each call (the pipeline calls it once). A block whose MLP is
+    a mixture of experts (``LLaMAMoE``) gets a :class:`~lightning_pp.integrations.litgpt_moe.MoEBlockLayer`,
+    which runs its experts expert-parallel (``expert_parallel_size``) with litgpt's routing."""
+    from lightning_pp.integrations.litgpt_moe import MoEBlockLayer, is_moe_block  # it imports this module
+
     if not isinstance(gpt, GPT):
         raise TypeError(f"pipeline_layers expects a litgpt GPT, got {type(gpt).__name__}.")
     if gpt.mask_cache is not None or any(block.attn.kv_cache is not None for block in gpt.transformer.h):
@@ -138,7 +142,9 @@ def pipeline_layers(gpt: GPT) -> list[nn.Module]:
             "the GPT has a KV cache (set_kv_cache): generation with a KV cache cannot run through the pipeline. "
             "Call gpt.clear_kv_cache() before training it pipelined."
         )
-    return [Embedding(gpt), *(BlockLayer(gpt, i) for i in range(len(gpt.transformer.h))), Head(gpt)]
+    blocks = [MoEBlockLayer(gpt, i) if is_moe_block(block) else BlockLayer(gpt, i)
+              for i, block in enumerate(gpt.transformer.h)]
+    return [Embedding(gpt), *blocks, Head(gpt)]
 
 
 def _split(batch: Any) -> tuple[torch.Tensor, torch.Tensor, bool]:

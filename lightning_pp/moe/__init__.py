@@ -2,5 +2,7 @@
 
 from lightning_pp.moe.buffers import BufferStats, StagingPool, stage_dispatch_bwd_grad
 from lightning_pp.moe.layer import CausalSelfAttention, Expert, MoEBlock, TopKRouter
+from lightning_pp.moe.parallel import ExpertOnOtherRank, ExpertParallelMoE, MoERouting, mark_expert_parameters
 
-__all__ = ["BufferStats", "CausalSelfAttention", "Expert", "MoEBlock", "StagingPool", "TopKRouter", "stage_dispatch_bwd_grad"]
+__all__ = ["BufferStats", "CausalSelfAttention", "Expert", "ExpertOnOtherRank", "ExpertParallelMoE", "MoEBlock",
+           "MoERouting", "StagingPool", "TopKRouter", "mark_expert_parameters", "stage_dispatch_bwd_grad"]
