@@ -17,11 +17,13 @@ def _dense_layers(device):
 
 
 def test_plan_on_comm_stream_matches_plain_autograd():
-    from lightning_pp.runtime.nodes import ChunkSchedulePlan, StreamSet
+    from lightning_pp.runtime.nodes import ChunkSchedulePlan
+    from lightning_pp.runtime.plan import get_comm_stream, get_comp_stream, set_streams
 
     device = torch.device("cuda")
-    streams = StreamSet(device)
-    assert streams.comm is not None and streams.comm.priority <= 0
+    set_streams(high_priority=True)
+    assert get_comm_stream() is not None and get_comm_stream().priority <= 0
+    assert get_comp_stream() == torch.cuda.current_stream()
     layers = _dense_layers(device)
     x = torch.randn(4, 16, device=device, dtype=torch.float64)
     ref = x
@@ -31,7 +33,7 @@ def test_plan_on_comm_stream_matches_plain_autograd():
     ref_grads = [p.grad.clone() for layer in layers for p in layer.parameters()]
     for layer in layers:
         layer.zero_grad()
-    plan = ChunkSchedulePlan(layers, streams)
+    plan = ChunkSchedulePlan(layers)
     (out,) = plan.forward((x,))
     plan.backward((torch.ones_like(out),))
     torch.cuda.synchronize()
@@ -78,13 +80,14 @@ def test_symmetric_staging_buffers_on_one_gpu():
 
 
 def test_sends_launch_from_the_comm_stream_after_the_compute_they_send():
-    from lightning_pp.runtime.nodes import StreamSet
+    from lightning_pp.runtime.nodes import sending
+    from lightning_pp.runtime.plan import get_comm_stream, set_streams
 
-    streams = StreamSet(torch.device("cuda"))
+    set_streams(high_priority=True)
     a = torch.randn(2048, 2048, device="cuda")
     b = a @ a  # queued on the compute stream
-    with streams.sending():
-        assert torch.cuda.current_stream() == streams.comm
+    with sending():
+        assert torch.cuda.current_stream() == get_comm_stream()
         c = b * 2  # runs on the comm stream: must see b complete
     torch.cuda.synchronize()
     torch.testing.assert_close(c, (a @ a) * 2)

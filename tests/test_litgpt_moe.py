@@ -202,7 +202,7 @@ def test_moe_family_pp2_ep2_equals_litgpt_on_one_device(pipelined, index):
 def test_moe_block_layer_is_litgpt_block_bit_for_bit(name):
     from lightning_pp.integrations.litgpt import pipeline_layers
     from lightning_pp.integrations.litgpt_moe import MoEBlockLayer
-    from lightning_pp.runtime.nodes import ChunkSchedulePlan, StreamSet
+    from lightning_pp.runtime.nodes import ChunkSchedulePlan
 
     holder = _make(name)
     idx = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(2))
@@ -222,7 +222,7 @@ def test_moe_block_layer_is_litgpt_block_bit_for_bit(name):
             (out * weights).sum().backward()
         else:  # the node path of combined 1F1B, one microbatch
             embedded = layers[0](idx)
-            plan = ChunkSchedulePlan(layers[1:-1], StreamSet(torch.device("cpu")))
+            plan = ChunkSchedulePlan(layers[1:-1])
             (hidden,) = plan.forward((embedded.detach().requires_grad_(),))
             hidden = hidden.detach().requires_grad_()
             out = layers[-1](hidden)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightning_pp.moe import MoEBlock
-from lightning_pp.runtime.nodes import ChunkSchedulePlan, StreamSet
+from lightning_pp.runtime.nodes import ChunkSchedulePlan
+from lightning_pp.runtime.plan import get_comm_stream, set_streams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -43,13 +44,13 @@ def test_overlapped_moe_nodes_equal_plain_autograd(device):
     want = _grads(blocks)
 
     blocks = _blocks(device)
-    streams = StreamSet(torch.device(device))
     if device == "cuda":
-        assert streams.comm is not None
-    first, second = ChunkSchedulePlan(blocks, streams), ChunkSchedulePlan(blocks, streams)
+        set_streams(high_priority=True)
+        assert get_comm_stream() is not None
+    first, second = ChunkSchedulePlan(blocks), ChunkSchedulePlan(blocks)
     (y0,) = first.forward((xs[0],))
     # Microbatch 1's forward overlapped with microbatch 0's backward, layer by layer.
-    (y1,), _ = ChunkSchedulePlan.run(second, first, (xs[1],), (ws[0],))
+    (y1,), _ = ChunkSchedulePlan.run(second, first, grad=(ws[0],), pre_forward=lambda: (xs[1],))
     second.backward((ws[1],))
     if device == "cuda":
         torch.cuda.synchronize()
@@ -83,24 +84,25 @@ class _Logged(torch.nn.Module):
         self.name, self.log = name, log
         self.scale = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
 
-    def schedule_nodes(self):
-        from lightning_pp.runtime.nodes import LayerNodes, ScheduleNode
+    def schedule_nodes(self, event):
+        from lightning_pp.runtime.nodes import LayerNodes
+        from lightning_pp.runtime.plan import ScheduleNode, get_comm_stream, get_comp_stream
 
         def compute(slot):
-            def run(state, x):
+            def run(x):
                 self.log.append(("F", self.name, slot))
                 return (x * self.scale,)
-            return ScheduleNode(run, slot)
+            return ScheduleNode(run, get_comp_stream, event, name=slot)
 
         def comm(slot):
-            def fwd(state, x):
+            def fwd(x):
                 self.log.append(("F", self.name, slot))
                 return (x.detach().clone(),)
 
-            def bwd(state, g):
+            def bwd(g):
                 self.log.append(("B", self.name, slot))
                 return (g.clone(),)
-            return ScheduleNode(fwd, slot, comm=True, backward_fn=bwd)
+            return ScheduleNode(fwd, get_comm_stream, event, backward_func=bwd, name=slot)
 
         return LayerNodes(compute("attn"), comm("dispatch"), compute("mlp"), comm("combine"), compute("post"))
 
@@ -113,12 +115,11 @@ def test_layers_that_communicate_are_paired_with_each_other():
     log = []
     embed = torch.nn.Linear(2, 2).double()
     layers = [embed, _Logged("m1", log), _Logged("m2", log)]
-    streams = StreamSet(torch.device("cpu"))
-    first, second = ChunkSchedulePlan(layers, streams), ChunkSchedulePlan(layers, streams)
+    first, second = ChunkSchedulePlan(layers), ChunkSchedulePlan(layers)
     x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
     (y,) = first.forward((x,))
     log.clear()
-    (y2,), (gx,) = ChunkSchedulePlan.run(second, first, (x,), (torch.ones_like(y),))
+    (y2,), (gx,) = ChunkSchedulePlan.run(second, first, grad=(torch.ones_like(y),), pre_forward=lambda: (x,))
     comm_order = [(d, n, s) for d, n, s in log if s in ("dispatch", "combine")]
     assert comm_order == [
         ("B", "m2", "combine"), ("F", "m1", "dispatch"), ("B", "m2", "dispatch"), ("F", "m1", "combine"),

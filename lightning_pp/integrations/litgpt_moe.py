@@ -80,15 +80,16 @@ class MoEBlockLayer(ExpertParallelMoE):
 
         moe = block.mlp
         tokens = x_normed.view(-1, x_normed.size(-1))  # (B*T, C)
-        if not config.n_expert_groups:
+        if not getattr(config, "n_expert_groups", None):
             router = moe.gate(tokens)
             probs, indices = torch.topk(router, config.n_expert_per_token)
             probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=tokens.dtype)
         else:
             probs, indices = moe.gate(tokens)  # GroupedTopkRouter: (weights, indices)
-        if config.routed_scaling_factor != 1.0:
-            probs = probs * config.routed_scaling_factor
-        carry = (x,) if not config.n_shared_expert else (x, moe.shared_experts(x_normed))
+        scaling = getattr(config, "routed_scaling_factor", 1.0)  # (litgpt < 0.5.13 has none)
+        if scaling != 1.0:
+            probs = probs * scaling
+        carry = (x,) if not getattr(config, "n_shared_expert", None) else (x, moe.shared_experts(x_normed))
         return MoERouting(carry, tokens, probs, indices)
 
     def moe_post(self, carry: tuple, mixed: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from lightning_pp.runtime.plan import register_persistent
+
 
 def symmetric_memory_available(device: torch.device) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -75,8 +77,10 @@ class StagingPool:
             buf = symm_mem.empty(shape, dtype=self.dtype, device=self.device)
             if self.group is not None:
                 symm_mem.rendezvous(buf, self.group)
-            return buf
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        else:
+            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        register_persistent(buf)
+        return buf
 
     def _rows_for(self, needed: int) -> int:
         if self.capacity_rows is not None:
@@ -134,8 +138,9 @@ class StagingPool:
 
 
 def stage_dispatch_bwd_grad(pool: StagingPool, slot: int, grad: torch.Tensor) -> torch.Tensor:
-    """StageDispatchBwdGrad: copy the gradient arriving at a dispatch's output into the slot's
-    persistent backward buffer, so the reverse all-to-all reads from it (a symmetric buffer on
+    """What :class:`~lightning_pp.runtime.plan.StageDispatchBwdGrad` does in backward for a
+    staging pool: copy the gradient arriving at a dispatch's output into the slot's persistent
+    backward buffer and return it, so the reverse all-to-all reads from it (a symmetric buffer on
     CUDA, which one-sided transports need: autograd's own gradient is an ordinary allocation).
     Counted in ``stats.staged_bytes``."""
     buf = pool.backward_buffer(slot, grad.shape[0])

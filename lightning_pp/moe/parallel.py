@@ -38,7 +38,9 @@ from torch import nn
 
 from lightning_pp.moe.buffers import StagingPool, scatter_rows_into, stage_dispatch_bwd_grad
 from lightning_pp.runtime import context
-from lightning_pp.runtime.nodes import LaunchedWork, LayerNodes, ScheduleNode, wait_for
+from lightning_pp.runtime.nodes import LayerNodes
+from lightning_pp.runtime.plan import PlanEvent, ScheduleNode, StageDispatchBwdGrad, get_comm_stream, get_comp_stream
+from lightning_pp.runtime.waits import LaunchedWork, wait_for
 
 
 class MoERouting(NamedTuple):
@@ -259,14 +261,18 @@ class ExpertParallelMoE(nn.Module):
         return out, work
 
     def _dispatch_backward(self, state: dict, grad: torch.Tensor):
+        # With staging, ``grad`` is already the slot's persistent backward buffer: the experts'
+        # input passed through StageDispatchBwdGrad (see _experts).
         slot = state["slot"]
-        if self.pool is not None and slot is not None:
-            grad = stage_dispatch_bwd_grad(self.pool, slot, grad.contiguous())
         out = grad.new_empty((sum(state["send_splits"]), grad.shape[1]))
         work = self._a2a(out, grad.contiguous(), state["send_splits"], state["recv_splits"])
         return out, _ReleaseOnWait(work, self.pool, slot)
 
     def _experts(self, state: dict, received: torch.Tensor) -> torch.Tensor:
+        slot = state.get("slot")
+        if self.pool is not None and slot is not None and received.requires_grad:
+            pool = self.pool
+            received = StageDispatchBwdGrad.apply(received, lambda grad: stage_dispatch_bwd_grad(pool, slot, grad))
         index = state["expert_major"]
         grouped = received[index]
         experts = self.expert_list()
@@ -275,7 +281,6 @@ class ExpertParallelMoE(nn.Module):
         for e, count in enumerate(state["expert_counts"]):
             outputs.append(experts[first + e](grouped[start:start + count]))
             start += count
-        slot = state.get("slot")
         if self.pool is not None and slot is not None and all(o.dtype == self.pool.dtype for o in outputs):
             # Zero-copy: the experts' rows land in the combine's persistent send buffer, back in
             # received order.
@@ -315,40 +320,43 @@ class ExpertParallelMoE(nn.Module):
         return self._post(state, tuple(carry), combined, probs)
 
     # -- fine-grained execution ---------------------------------------------------------------
-    def schedule_nodes(self) -> LayerNodes:
-        """The five nodes of one microbatch. Between nodes the values travel as
-        ``(*carry, rows, probs)``: the comm nodes exchange ``rows`` (or their gradient) and pass
-        the others through."""
+    def schedule_nodes(self, event: PlanEvent) -> LayerNodes:
+        """The five nodes of one microbatch, ordered by its ``event``. Between nodes the values
+        travel as ``(*carry, rows, probs)``: the comm nodes exchange ``rows`` (or their gradient)
+        and pass the others through."""
+        state: dict = {"event": event}
 
-        def attn(state, *inputs):
+        def attn(*inputs):
             return self._route(state, *inputs)
 
         def exchange(fn):
             """A comm node's function: ``fn`` launches the all-to-all on the rows (tokens or their
             gradient); the work joins the microbatch's event; the others pass through."""
-            def run(state, *values):
+            def run(*values):
                 *carry, rows, probs = values
                 out, work = fn(state, rows)
-                state["event"].add(work)
+                event.add(work)
                 return (*carry, out, probs)
 
             return run
 
-        def mlp(state, *values):
+        def mlp(*values):
             *carry, received, probs = values
             return (*carry, self._experts(state, received), probs)
 
-        def post(state, *values):
+        def post(*values):
             *carry, combined, probs = values
             out = self._post(state, tuple(carry), combined, probs)
             return out if isinstance(out, tuple) else (out,)
 
         return LayerNodes(
-            ScheduleNode(attn, "attn"),
-            ScheduleNode(exchange(self._dispatch), "dispatch", comm=True, backward_fn=exchange(self._dispatch_backward)),
-            ScheduleNode(mlp, "mlp"),
-            ScheduleNode(exchange(self._combine), "combine", comm=True, backward_fn=exchange(self._combine_backward)),
-            ScheduleNode(post, "post"),
+            ScheduleNode(attn, get_comp_stream, event, name="attn"),
+            ScheduleNode(exchange(self._dispatch), get_comm_stream, event, exchange(self._dispatch_backward),
+                         name="dispatch"),
+            ScheduleNode(mlp, get_comp_stream, event, name="mlp"),
+            ScheduleNode(exchange(self._combine), get_comm_stream, event, exchange(self._combine_backward),
+                         name="combine"),
+            ScheduleNode(post, get_comp_stream, event, name="post"),
         )
 
 

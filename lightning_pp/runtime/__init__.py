@@ -49,6 +49,7 @@ from lightning_pp.runtime.partition import (
     parse_layout_string,
     resolve_layout,
 )
+from lightning_pp.runtime.protocols import ExpertParallelLayer
 from lightning_pp.runtime.topology import ParallelDims, Topology, build_topology
 from lightning_pp.schedules import make_config
 
@@ -108,9 +109,11 @@ def build_pipeline(
     partition.forget_freed(module)  # before anything new is made: a new object may reuse a freed id
     add_frozen_stage_placeholder(module, partition)
     module.to(device)
-    return PipelineExecutor(module, partition, topology, config, device=device, timeout=timeout,
+    executor = PipelineExecutor(module, partition, topology, config, device=device, timeout=timeout,
                             static_shapes=static_shapes, nonfinite=nonfinite, watchdog=watchdog,
                             check_batches=check_batches, broadcast_batches=broadcast_batches)
+    module._lpp_executor = executor  # not a submodule: a plain attribute (see executor_of)
+    return executor
 
 
 def setup_expert_parallel(partition: Partition, topology: Topology, device: torch.device) -> None:
@@ -119,9 +122,18 @@ def setup_expert_parallel(partition: Partition, topology: Topology, device: torc
     for chunk in partition.chunks:
         for layer in chunk.layers:
             for sub in layer.modules():
-                setup = getattr(sub, "setup_expert_parallel", None)
-                if callable(setup):
-                    setup(topology.ep_group, topology.ep_rank, topology.ep, device)
+                if isinstance(sub, ExpertParallelLayer):
+                    sub.setup_expert_parallel(topology.ep_group, topology.ep_rank, topology.ep, device)
+
+
+def executor_of(module: nn.Module) -> PipelineExecutor:
+    """The executor that runs ``module`` on this rank (after ``build_pipeline``, or a strategy's
+    setup), e.g. for ``capture_step`` or ``executor.timeline``."""
+    executor = getattr(module, "_forward_module", module).__dict__.get("_lpp_executor")
+    if executor is None:
+        raise ValueError(f"{type(module).__name__} is not pipelined on this rank: build_pipeline (or the "
+                         f"strategy's setup) has not run on it.")
+    return executor
 
 
 __all__ = [
@@ -151,6 +163,7 @@ __all__ = [
     "check_protocol",
     "CheckpointPolicy",
     "cut_model",
+    "executor_of",
     "layer_list",
     "materialize",
     "normalise_loss",

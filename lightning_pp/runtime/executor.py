@@ -30,7 +30,7 @@ import math
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,9 @@ from lightning_pp.runtime.failure import (
     watchdog_for,
 )
 from lightning_pp.runtime.grads import GradientSync
-from lightning_pp.runtime.nodes import ChunkSchedulePlan, StreamSet
+from lightning_pp.runtime.nodes import sending
+from lightning_pp.runtime.plan import set_streams
+from lightning_pp.runtime.protocols import HoldsResources, StepObserver
 from lightning_pp.runtime.microbatch import batch_fingerprint, batch_size, broadcast_batch, split_microbatches
 from lightning_pp.runtime.p2p import PointToPoint
 from lightning_pp.runtime.rng import StageRNG
@@ -81,6 +83,16 @@ def check_batch_policy(check_batches: str, broadcast_batches: bool) -> None:
         raise ValueError(f"check_batches={check_batches!r} is invalid: choose one of {', '.join(map(repr, BATCH_CHECKS))}.")
     if not isinstance(broadcast_batches, bool):
         raise ValueError(f"broadcast_batches={broadcast_batches!r} is invalid: pass True or False.")
+
+
+class Stash(NamedTuple):
+    """What a forward keeps for its backward."""
+
+    received: tuple  # the stage's received inputs (their .grad are the input gradients)
+    outputs: tuple  # the outputs sent on, or (loss_sum,) on the last stage
+    is_loss: bool
+    plan: Any  # the schedule plan (combined 1F1B), else None
+    detached: Any  # last stage with a plan: the detached outputs the loss was computed from
 
 
 @dataclass(frozen=True)
@@ -219,7 +231,8 @@ class PipelineExecutor:
         self.static_shapes = static_shapes
         # Combined 1F1B runs chunks node by node (see runtime/nodes.py) so FB actions can overlap.
         self._use_plans = config.schedule == "combined_1f1b"
-        self.streams = StreamSet(device)
+        if device.type == "cuda":
+            set_streams(high_priority=True)  # the process's comm stream (runtime.plan)
         self.rng = StageRNG([chunk.stage for chunk in partition.chunks], topology.dp_rank, device)
         self.position = Position()
         self.p2p = PointToPoint(topology.pp_group, topology.global_rank, device, timeout, topology.describe,
@@ -237,7 +250,7 @@ class PipelineExecutor:
         self._step_hooks = [
             sub.pipeline_step_end
             for chunk in partition.chunks for layer in chunk.layers for sub in layer.modules()
-            if callable(getattr(sub, "pipeline_step_end", None))
+            if isinstance(sub, StepObserver)
         ]
 
     def _plan(self, config: ScheduleConfig) -> "StepPlan":
@@ -314,9 +327,8 @@ class PipelineExecutor:
         for chunk in self.partition.chunks:
             for layer in chunk.layers:
                 for sub in layer.modules():
-                    teardown = getattr(sub, "pipeline_teardown", None)
-                    if callable(teardown):
-                        teardown()
+                    if isinstance(sub, HoldsResources):
+                        sub.pipeline_teardown()
 
     @property
     def is_last_stage_rank(self) -> bool:
@@ -494,7 +506,7 @@ class PipelineExecutor:
         for src, order in plan.expected[not train].items():
             self.p2p.expect(src, order)
         self._batches = microbatches
-        self._saved: dict[tuple[int, int], tuple] = {}
+        self._saved: dict[tuple[int, int], Stash] = {}
         self._local: dict[Message, tuple] = {}
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._count = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -566,7 +578,7 @@ class PipelineExecutor:
                 as_tuple,
             )
         elif message.direction == "F" and self._use_plans:
-            with self.streams.sending():  # combined 1F1B: forward sends from the comm stream
+            with sending():  # combined 1F1B: forward sends from the comm stream
                 self.p2p.send(dst, message, tensors, as_tuple)
         else:
             self.p2p.send(dst, message, tensors, as_tuple)
@@ -590,19 +602,55 @@ class PipelineExecutor:
         samples = batch_size(self._batches[microbatch]) or 1
         return microbatch_context(float(samples), microbatch, chunk_id, self.timeline, self._wait_collective)
 
-    def _new_plan(self, microbatch: int, chunk_id: int) -> ChunkSchedulePlan:
-        return ChunkSchedulePlan(self.partition.chunks[chunk_id].layers, self.streams, self.timeline, microbatch, chunk_id)
-
     def _forward(self, microbatch: int, chunk_id: int) -> None:
+        if self._use_plans and self._train:
+            with self._context(microbatch, chunk_id), self.rng.stream(chunk_id):
+                plan, hooks = self._forward_plan(microbatch, chunk_id)
+                type(plan).run(plan, None, **hooks)
+            return
         received, inputs = self._stage_input(microbatch, chunk_id)
-        plan = None
         with self._context(microbatch, chunk_id), self.rng.stream(chunk_id), torch.set_grad_enabled(self._train):
-            if self._use_plans and self._train:
-                plan = self._new_plan(microbatch, chunk_id)
-                output = _untuple(plan.forward(inputs if isinstance(inputs, tuple) else (inputs,)))
-            else:
-                output = self.partition.chunks[chunk_id](inputs)
-        self._finish_forward(microbatch, chunk_id, received, output, plan)
+            output = self.partition.chunks[chunk_id](inputs)
+        self._finish_forward(microbatch, chunk_id, received, output, None)
+
+    def _forward_plan(self, microbatch: int, chunk_id: int):
+        """The chunk's plan for ``microbatch`` (built with the pipeline inputs on the first stage)
+        and the hooks that carry its stage-boundary transfers: ``pre_forward`` receives the input,
+        ``post_forward`` sends the output on (or computes the loss on the last stage)."""
+        chunk = self.partition.chunks[chunk_id]
+        received_box: list = [()]
+        pre_forward = None
+        if chunk.stage == 0:
+            inputs = self.inputs_fn(self._batches[microbatch])
+            plan = chunk.build_schedule_plan(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+        else:
+            plan = chunk.build_schedule_plan()
+
+            def pre_forward():
+                received, inputs = self._stage_input(microbatch, chunk_id)
+                received_box[0] = received
+                return inputs if isinstance(inputs, tuple) else (inputs,)
+
+        def post_forward(outputs):
+            self._finish_forward(microbatch, chunk_id, received_box[0], _untuple(outputs), plan)
+
+        return plan, dict(pre_forward=pre_forward, post_forward=post_forward)
+
+    def _backward_plan(self, microbatch: int, chunk_id: int):
+        """The plan a forward stashed, and the hooks of its backward: ``pre_backward`` gets the
+        output gradients (received, or the loss's), ``post_backward`` sends the input gradients."""
+        plan = self._saved[(microbatch, chunk_id)].plan
+        received_box: list = [()]
+
+        def pre_backward():
+            received, _, _, grads = self._output_grads(microbatch, chunk_id)
+            received_box[0] = received
+            return grads
+
+        def post_backward(in_grads):
+            self._finish_backward(microbatch, chunk_id, received_box[0], in_grads)
+
+        return plan, dict(pre_backward=pre_backward, post_backward=post_backward)
 
     def _finish_forward(self, microbatch: int, chunk_id: int, received: tuple, output: Any, plan) -> None:
         chunk = self.partition.chunks[chunk_id]
@@ -624,7 +672,7 @@ class PipelineExecutor:
             self._loss_sum += loss_sum.detach().to(torch.float64)
             self._count += count.to(self._count.device)
             if self._train:
-                self._saved[(microbatch, chunk_id)] = (received, (loss_sum,), True, plan, detached)
+                self._saved[(microbatch, chunk_id)] = Stash(received, (loss_sum,), True, plan, detached)
             return
         tensors, as_tuple = _as_tensors(
             output, f"virtual stage {stage} (layers {chunk.first_layer}..{chunk.first_layer + len(chunk.layers) - 1})"
@@ -633,7 +681,7 @@ class PipelineExecutor:
         if self._train:
             if plan is None and (stage + 1) % self.config.pp != self.pp_rank:
                 _release(tensors)
-            self._saved[(microbatch, chunk_id)] = (received, tensors, False, plan, None)
+            self._saved[(microbatch, chunk_id)] = Stash(received, tensors, False, plan, None)
 
     def _output_grads(self, microbatch: int, chunk_id: int):
         """Pop the stash of a forward and get the gradients of its outputs: from the loss on the
@@ -662,14 +710,16 @@ class PipelineExecutor:
         return received, None, [t for t, _ in pairs], [g for _, g in pairs]
 
     def _backward(self, microbatch: int, chunk_id: int) -> None:
-        received, plan, roots, grads = self._output_grads(microbatch, chunk_id)
+        if self._saved[(microbatch, chunk_id)].plan is not None:
+            with self._context(microbatch, chunk_id):
+                plan, hooks = self._backward_plan(microbatch, chunk_id)
+                type(plan).run(None, plan, **hooks)
+            return
+        received, _, roots, grads = self._output_grads(microbatch, chunk_id)
         with self._context(microbatch, chunk_id):
-            if plan is not None:
-                in_grads = plan.backward(grads)
-            else:
-                if roots:
-                    _backward(roots, grads)
-                in_grads = tuple(t.grad for t in received)
+            if roots:
+                _backward(roots, grads)
+            in_grads = tuple(t.grad for t in received)
         self._finish_backward(microbatch, chunk_id, received, in_grads)
 
     def _finish_backward(self, microbatch: int, chunk_id: int, received: tuple, in_grads: tuple) -> None:
@@ -689,15 +739,14 @@ class PipelineExecutor:
             self._forward(*f)
             self._backward(*b)
             return
-        f_received, f_inputs = self._stage_input(*f)
-        b_received, b_plan, _, b_grads = self._output_grads(*b)
-        f_plan = self._new_plan(*f)
         with self._context(*f), self.rng.stream(f[1]):  # backward nodes draw no random numbers
-            outputs, in_grads = ChunkSchedulePlan.run(
-                f_plan, b_plan, f_inputs if isinstance(f_inputs, tuple) else (f_inputs,), b_grads
-            )
-        self._finish_forward(f[0], f[1], f_received, _untuple(outputs), f_plan)
-        self._finish_backward(b[0], b[1], b_received, in_grads)
+            f_plan, f_hooks = self._forward_plan(*f)
+            b_plan, b_hooks = self._backward_plan(*b)
+            if type(f_plan) is type(b_plan):  # the plan class fuses them, the hooks carry the transfers
+                type(f_plan).run(f_plan, b_plan, **f_hooks, **b_hooks)
+            else:  # chunks of different plan classes (a layer with its own): one after the other
+                type(f_plan).run(f_plan, None, **f_hooks)
+                type(b_plan).run(None, b_plan, **b_hooks)
 
 
 def _no_grad_marker(t: torch.Tensor) -> torch.Tensor:

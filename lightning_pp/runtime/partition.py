@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_pp.runtime.protocols import OwnsSchedulePlan, ProvidesScheduleNodes
+
 REQUIRED_METHODS = ("pipeline_layers", "pipeline_loss")
 
 Layout = Union[None, str, Sequence[int]]
@@ -153,6 +155,17 @@ class StageChunk:
         for layer in self.layers:
             x = run_layer(layer, x)
         return x
+
+    def build_schedule_plan(self, *inputs: Any):
+        """This chunk's plan for one microbatch (``lightning_pp.runtime.plan``): its layer's own,
+        when the chunk is one layer that brings a plan class, else a ``ChunkSchedulePlan`` of its
+        layers. ``inputs``: the chunk's forward inputs where known (the first stage), else none
+        (the plan's ``run`` gets them from its ``pre_forward`` hook)."""
+        if len(self.layers) == 1 and isinstance(self.layers[0], OwnsSchedulePlan):
+            return self.layers[0].build_schedule_plan(*inputs)
+        from lightning_pp.runtime.nodes import ChunkSchedulePlan  # nodes imports this module
+
+        return ChunkSchedulePlan(self.layers, inputs)
 
     def parameters(self):
         seen = set()
@@ -368,7 +381,7 @@ def checkpointed_layers(layers: Sequence[nn.Module], policy: CheckpointPolicy) -
     for i, layer in enumerate(layers):
         if policy is False or (classes and not isinstance(layer, classes)):
             continue
-        if callable(getattr(layer, "schedule_nodes", None)):
+        if isinstance(layer, ProvidesScheduleNodes):
             if classes:
                 raise ValueError(
                     f"activation_checkpointing lists {type(layer).__name__} (pipeline layer {i}), whose "

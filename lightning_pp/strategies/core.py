@@ -175,7 +175,6 @@ class PipelineEngine:
             broadcast_batches=opts.broadcast_batches,
         )
         executor.loss_fn = self._recording_loss(module)
-        module._lpp_executor = executor  # not a submodule: plain attribute
         self.executor = executor
         return executor
 
