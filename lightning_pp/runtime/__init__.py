@@ -11,18 +11,18 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from lightning_pp.runtime.executor import (
+from lightning_pp.runtime.config import (
     BATCH_CHECKS,
     DEFAULT_TIMEOUT,
-    BatchCheck,
     NONFINITE_POLICIES,
+    BatchCheck,
     NonFinitePolicy,
-    PipelineExecutor,
-    StepResult,
+    PipelineConfig,
     check_batch_policy,
     check_nonfinite_policy,
-    normalise_loss,
 )
+from lightning_pp.runtime.executor import PipelineExecutor, StepResult
+from lightning_pp.runtime.loss import normalise_loss
 from lightning_pp.runtime.failure import (
     WATCHDOG_EXIT_CODE,
     BatchMismatchError,
@@ -51,12 +51,11 @@ from lightning_pp.runtime.partition import (
 )
 from lightning_pp.runtime.protocols import ExpertParallelLayer
 from lightning_pp.runtime.topology import ParallelDims, Topology, build_topology
-from lightning_pp.schedules import make_config
 
 
 def build_pipeline(
     module: nn.Module,
-    pipeline_parallel_size: int,
+    pipeline_parallel_size: Optional[int] = None,
     virtual_pipeline_size: int = 1,
     num_microbatches: Optional[int] = None,
     schedule: str = "1f1b",
@@ -72,36 +71,47 @@ def build_pipeline(
     activation_checkpointing: CheckpointPolicy = False,
     check_batches: BatchCheck = "raise",
     broadcast_batches: bool = False,
+    *,
+    config: Optional[PipelineConfig] = None,
 ) -> PipelineExecutor:
     """Validate the configuration, build the groups, cut ``module`` in place and return the
     executor for this rank. Every check that can fail does so before any group is created.
 
-    ``timeout`` bounds every wait of a step (a peer that makes no progress for that long is named
-    as stuck); ``nonfinite`` is what a step with inf/nan loss or gradients does (``"raise"``,
-    ``"skip"`` or ``"ignore"``, decided alike on every rank); ``watchdog`` configures (or, with
-    ``False``, disables) the thread that publishes this rank's position and ends it if it stays
-    blocked after a peer failed (see :mod:`lightning_pp.runtime.failure`).
-    ``activation_checkpointing``: layers that keep only their inputs and recompute their forward
-    in backward (``True``: every layer except those that communicate, such as MoE blocks; or a
-    list of layer classes). ``check_batches`` compares, every step, a fingerprint of the batch each
-    stage of a pipeline was given (``"raise"``, ``"warn"`` or ``"off"``; it rides on the loss
-    all-reduce); ``broadcast_batches=True`` instead uses pipeline rank 0's batch on every stage (one
-    broadcast per step), for data pipelines that cannot give every stage the same batch."""
+    The options are those of :class:`~lightning_pp.runtime.config.PipelineConfig` (pass one as
+    ``config`` instead; the strategies do): ``timeout`` bounds every wait of a step (a peer that
+    makes no progress for that long is named as stuck); ``nonfinite`` is what a step with inf/nan
+    loss or gradients does (``"raise"``, ``"skip"`` or ``"ignore"``, decided alike on every rank);
+    ``watchdog`` configures (or, with ``False``, disables) the thread that publishes this rank's
+    position and ends it if it stays blocked after a peer failed (see
+    :mod:`lightning_pp.runtime.failure`). ``activation_checkpointing``: layers that keep only their
+    inputs and recompute their forward in backward (``True``: every layer except those that
+    communicate, such as MoE blocks; or a list of layer classes). ``check_batches`` compares, every
+    step, a fingerprint of the batch each stage of a pipeline was given (``"raise"``, ``"warn"`` or
+    ``"off"``; it rides on the loss all-reduce); ``broadcast_batches=True`` instead uses pipeline
+    rank 0's batch on every stage (one broadcast per step), for data pipelines that cannot give
+    every stage the same batch. A module built on the meta device is materialised after the cut,
+    only what this rank keeps, with the seed ``torch.initial_seed()`` (see
+    :mod:`lightning_pp.runtime.meta`)."""
+    if config is None:
+        config = PipelineConfig(
+            pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size,
+            virtual_pipeline_size=virtual_pipeline_size, num_microbatches=num_microbatches, schedule=schedule,
+            layout=layout, microbatch_group_size=microbatch_group_size, timeout=timeout, nonfinite=nonfinite,
+            watchdog=watchdog, static_shapes=static_shapes, activation_checkpointing=activation_checkpointing,
+            check_batches=check_batches, broadcast_batches=broadcast_batches)
     check_protocol(module)
-    check_batch_policy(check_batches, broadcast_batches)
-    check_nonfinite_policy(nonfinite)
     layers = layer_list(module)  # once: pipeline_layers() may build new adapter objects every call
-    recomputed = set(checkpointed_layers(layers, activation_checkpointing))
-    if isinstance(watchdog, bool):
-        watchdog = WatchdogConfig(enabled=watchdog)
-    config = make_config(schedule, pipeline_parallel_size, virtual_pipeline_size, num_microbatches, microbatch_group_size)
+    recomputed = set(checkpointed_layers(layers, config.activation_checkpointing))
     if topology is None:
-        ParallelDims(torch.distributed.get_world_size(), pipeline_parallel_size, expert_parallel_size).check()
-        resolve_layout(layout, len(layers), config.num_stages)
-        topology = build_topology(pipeline_parallel_size, expert_parallel_size, device.type)
+        config = config.resolve(torch.distributed.get_world_size())
+        resolve_layout(config.layout, len(layers), config.schedule_config.num_stages)
+        topology = build_topology(config.pipeline_parallel_size, config.expert_parallel_size, device.type)
+    elif config.pipeline_parallel_size is None:
+        config = config.resolve(topology.dims.world_size)
+    schedule_config = config.schedule_config
     for i in recomputed:
         layers[i]._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
-    partition = cut_model(module, config.pp, config.vp, topology.pp_rank, layout, layers=layers)
+    partition = cut_model(module, schedule_config.pp, schedule_config.vp, topology.pp_rank, config.layout, layers=layers)
     setup_expert_parallel(partition, topology, device)
     if has_meta_tensors(module):  # built on the meta device: only what stays here gets memory
         init_fn = getattr(module, "pipeline_init_weights", None)
@@ -109,9 +119,7 @@ def build_pipeline(
     partition.forget_freed(module)  # before anything new is made: a new object may reuse a freed id
     add_frozen_stage_placeholder(module, partition)
     module.to(device)
-    executor = PipelineExecutor(module, partition, topology, config, device=device, timeout=timeout,
-                            static_shapes=static_shapes, nonfinite=nonfinite, watchdog=watchdog,
-                            check_batches=check_batches, broadcast_batches=broadcast_batches)
+    executor = PipelineExecutor(module, partition, topology, config, device=device)
     module._lpp_executor = executor  # not a submodule: a plain attribute (see executor_of)
     return executor
 
@@ -150,6 +158,7 @@ __all__ = [
     "ParallelDims",
     "Partition",
     "PipelineCommError",
+    "PipelineConfig",
     "PipelineError",
     "PipelineExecutor",
     "StageBoundaryError",

@@ -24,6 +24,10 @@ class MicrobatchContext:
     wait: Optional[Callable[[Any, str], None]] = None
 
 
+# A module global, not a ContextVar, on purpose: on CUDA the autograd engine runs backward on its
+# own device threads, where a context variable set by the main thread is not visible, and the
+# layers' backward (an expert all-to-all's wait) needs it there too. Only the executor sets it,
+# around each action, on the one thread that runs the schedule.
 _current = MicrobatchContext()
 
 

@@ -22,7 +22,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_pp.runtime.failure import PipelineCommError, classify
+from lightning_pp.runtime.errors import PipelineCommError
+from lightning_pp.runtime.timeline import SpanKind
+from lightning_pp.runtime.waits import BoundedWait
 from lightning_pp.schedules.messages import Message
 
 HEADER_LEN = 64
@@ -132,7 +134,7 @@ class PointToPoint:
 
     ``peer_rank`` maps a pipeline rank to the global rank of the same data-parallel slot.
     ``describe`` names this rank in error messages. ``position`` (a
-    :class:`~lightning_pp.runtime.failure.Position`) is told whom this rank is waiting for, so
+    :class:`~lightning_pp.runtime.board.Position`) is told whom this rank is waiting for, so
     the watchdog can publish it.
 
     Within one step every microbatch crossing a boundary must keep the dtypes, numbers of
@@ -158,6 +160,7 @@ class PointToPoint:
         self.describe = describe
         self.timeline = timeline
         self.position = position
+        self.bounded_wait = BoundedWait(timeout, describe, position)
         self.signatures: dict[tuple[str, int], tuple[int, tuple]] = {}  # (direction, stage) -> (mb, sig)
         self.channels: dict[int, _Channel] = {}
         # Header-free fast path (see begin_step): per mode, the specs of last step's messages and
@@ -169,7 +172,6 @@ class PointToPoint:
         self.key = None
         self.post_ahead = 2
         self.pending_sends: list[tuple[object, tuple[torch.Tensor, ...], Message, int]] = []
-        self.bytes_sent = 0
 
     # -- plan ---------------------------------------------------------------------------------
     def begin_step(self, key=None, mode: bool = False) -> None:
@@ -258,7 +260,6 @@ class PointToPoint:
             works = [dist.isend(t, dst=peer, group=self.group) for t in payload]
             for work in works:
                 self.pending_sends.append((work, payload, message, dst))
-            self.bytes_sent += sum(t.numel() * t.element_size() for t in payload)
             self._reap_sends()
             return
         self.specs[self.mode][(dst, message)] = spec
@@ -268,7 +269,6 @@ class PointToPoint:
         works += [dist.isend(t, dst=peer, group=self.group) for t in payload]
         for work in works:
             self.pending_sends.append((work, (header, *payload), message, dst))
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in payload)
         self._reap_sends()
         if mismatch is not None:
             # Sent anyway, and flushed (briefly) before raising: the receiver sees the same change in
@@ -316,30 +316,9 @@ class PointToPoint:
             return
         start = self.timeline.now() if self.timeline is not None and message is not None else None
         global_peer = self.peer_rank(peer)
-        position = self.position
-        if position is not None:
-            position.waiting = (global_peer, what)
-        try:
-            ok = work.wait(timeout=self.timeout)
-        except Exception as exc:  # gloo raises on timeout and on a peer that went away
-            reason = classify(exc)
-            detail = (f"timed out after {self.timeout.total_seconds():g}s" if reason == "timeout"
-                      else f"failed: {exc}")
-            raise PipelineCommError(
-                f"{self.describe()}: {what} with pipeline rank {peer} (global rank {global_peer}) {detail}",
-                peer=global_peer, reason=reason,
-            ) from exc
-        finally:
-            if position is not None:
-                position.waiting = None
-        if ok is False:
-            raise PipelineCommError(
-                f"{self.describe()}: {what} with pipeline rank {peer} (global rank {global_peer}) timed out "
-                f"after {self.timeout.total_seconds():g}s.",
-                peer=global_peer, reason="timeout",
-            )
+        self.bounded_wait(work, what, global_peer, f" with pipeline rank {peer} (global rank {global_peer})")
         if start is not None:
-            self.timeline.add("recv_wait", message.microbatch, message.stage, start, self.timeline.now())
+            self.timeline.add(SpanKind.RECV_WAIT, message.microbatch, message.stage, start, self.timeline.now())
 
     def _recv_payload(self, src: int, channel: _Channel, message: Message):
         self._wait(channel.header_work, f"receiving the header of {message.describe()}", src, message, host=True)

@@ -178,11 +178,10 @@ class StageChunk:
 
 @dataclass
 class TiedParameter:
-    """A parameter used by layers on more than one virtual stage (e.g. embedding and head)."""
+    """A parameter used by layers on more than one pipeline rank (e.g. embedding and head)."""
 
     name: str
-    stages: tuple[int, ...]
-    pp_ranks: tuple[int, ...]
+    pp_ranks: tuple[int, ...]  # the pipeline ranks whose layers use it, ascending
 
 
 @dataclass
@@ -254,7 +253,7 @@ def cut_model(module: nn.Module, pp: int, vp: int, pp_rank: int, layout: Layout 
     for pid, stages in param_stages.items():
         ranks = tuple(sorted({s % pp for s in stages}))
         if len(ranks) > 1:
-            tied.append(TiedParameter(names.get(pid, "?"), tuple(sorted(stages)), ranks))
+            tied.append(TiedParameter(names.get(pid, "?"), ranks))
     tied.sort(key=lambda t: t.name)
 
     layer_names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}

@@ -15,7 +15,9 @@ The runtime calls these methods where a module has them (``isinstance`` against 
 Attribute markers the runtime reads (set by it or by the layers it knows): ``param._lpp_expert``
 (an expert parameter, reduced over the expert-data-parallel group), ``layer._lpp_checkpoint`` (a
 layer recomputed in backward), ``module._lpp_executor`` (the module's executor: use
-:func:`lightning_pp.runtime.executor_of`).
+:func:`lightning_pp.runtime.executor_of`). What the runtime tells layers about the microbatch being
+run (its loss weight for auxiliary losses, the timeline, the bounded wait) is
+:func:`lightning_pp.runtime.context.current`.
 """
 
 from __future__ import annotations

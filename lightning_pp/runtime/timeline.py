@@ -1,18 +1,20 @@
 """Low-cost recording of what each rank spends its step on.
 
 A ``Timeline`` collects spans ``(kind, microbatch, chunk, start, end)`` in seconds since the start of
-the step: compute actions (``F``, ``B``, ``FB``), waits on stage-boundary receives (``recv_wait``),
-waits on expert all-to-all (``a2a_wait``) and whatever the caller adds (``optimizer``); for a
-``recv_wait`` the ``chunk`` field holds the virtual stage that consumes the message. On the CPU the
-times are ``time.perf_counter``; on CUDA compute spans are bracketed by CUDA events and resolved
-once per step, so recording adds no host synchronisation inside the step.
+the step; the kinds are the :class:`SpanKind` values: compute actions (``F``, ``B``, ``FB``, ``W``,
+recorded with their action's kind), waits on stage-boundary receives (``recv_wait``), expert
+all-to-alls from launch to known completion (``a2a``) and the waits on them (``a2a_wait``), and what
+the caller adds (``optimizer``); for a ``recv_wait`` the ``chunk`` field holds the virtual stage
+that consumes the message. On the CPU the times are ``time.perf_counter``; on CUDA compute spans
+are bracketed by CUDA events and resolved once per step, so recording adds no host
+synchronisation inside the step.
 
 Spans that start and end in different places of the caller's code (the optimizer step, timed by the
 monitor callback from one Lightning hook to another) are recorded with :meth:`Timeline.mark` and
 :meth:`Timeline.add_between`; they may be added after ``end_step`` and are resolved by
 :meth:`Timeline.resolve`. Each step also notes its origin on the host's monotonic clock and on the
 wall clock (:attr:`Timeline.origin`, :attr:`Timeline.origin_unix`), which is how ranks' timelines
-are put on one time axis without a barrier (see ``lightning_pp.callbacks.analysis``).
+are put on one time axis without a barrier (see ``lightning_pp.callbacks.records``).
 """
 
 from __future__ import annotations
@@ -20,21 +22,41 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from typing import Iterator, Optional
 
 import torch
 
 
+class SpanKind(str, Enum):
+    """What a span records. A ``str`` enum: each member equals (and hashes like) its value, so
+    consumers may compare with the plain strings, and a compute span recorded with its action's
+    :class:`~lightning_pp.schedules.actions.ActionKind` (same values) is the same kind."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    FORWARD_BACKWARD = "FB"
+    WEIGHT_GRAD = "W"
+    RECV_WAIT = "recv_wait"  # blocked on a stage-boundary receive, inside the action that needs it
+    A2A = "a2a"  # an expert all-to-all, from launch until it is known complete
+    A2A_WAIT = "a2a_wait"  # blocked on an expert all-to-all
+    OPTIMIZER = "optimizer"  # the optimizer step (recorded by the monitor callback)
+
+    def __str__(self) -> str:
+        # The value, as the plain strings printed (not Enum's "SpanKind.RECV_WAIT").
+        return self.value
+
+
+COMPUTE_SPAN_KINDS = (SpanKind.FORWARD, SpanKind.BACKWARD, SpanKind.FORWARD_BACKWARD, SpanKind.WEIGHT_GRAD)
+
+
 @dataclass
 class Span:
-    kind: str
+    kind: str  # a SpanKind (an ActionKind for compute spans), or its plain value
     microbatch: int
     chunk: int
     start: float
     end: float
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "microbatch": self.microbatch, "chunk": self.chunk, "start": self.start, "end": self.end}
 
 
 class Timeline:
@@ -96,9 +118,6 @@ class Timeline:
             yield
         finally:
             self.spans.append(Span(kind, microbatch, chunk, start_t, self.now()))
-
-    def total(self, kind: str) -> float:
-        return sum(s.end - s.start for s in self.spans if s.kind == kind)
 
     # -- additions for spans recorded outside the executor (e.g. the optimizer step) -----------
     @property

@@ -71,3 +71,38 @@ def wait_for(works: Sequence[Any], timeline=None, microbatch: int = -1, chunk: i
                 timeline.add("a2a", microbatch, chunk, launched, after if after - before > 1e-5 else before)
     if recording:
         timeline.add("a2a_wait", microbatch, chunk, start, timeline.now())
+
+
+class BoundedWait:
+    """The one bounded wait of a step, shared by the stage-boundary transfers, the in-step
+    collectives and the schedule nodes: waits for a work handle for at most ``timeout``, publishes
+    what it waits for (``position.waiting``, read by the watchdog), and turns a failure or the
+    timeout into a :class:`~lightning_pp.runtime.failure.PipelineCommError` that says what was
+    waited for, on which rank, with which peer."""
+
+    def __init__(self, timeout, describe, position=None) -> None:
+        self.timeout = timeout
+        self.describe = describe  # () -> "rank 1 (pp=1, dp=0, ep=0)"
+        self.position = position
+
+    def __call__(self, work: Any, what: str, peer: Optional[int] = None, with_peer: str = "") -> None:
+        """Wait for ``work`` (``what``: the message part; ``peer``: the global rank on the other end,
+        ``with_peer``: how the message names it)."""
+        from lightning_pp.runtime.failure import PipelineCommError, classify
+
+        position = self.position
+        if position is not None:
+            position.waiting = (peer, what)
+        seconds = self.timeout.total_seconds()
+        try:
+            ok = work.wait(timeout=self.timeout)
+        except Exception as exc:  # the backend raises on a timeout and on a peer that went away
+            reason = classify(exc)
+            detail = f"timed out after {seconds:g}s" if reason == "timeout" else f"failed: {exc}"
+            raise PipelineCommError(f"{self.describe()}: {what}{with_peer} {detail}", peer=peer, reason=reason) from exc
+        finally:
+            if position is not None:
+                position.waiting = None
+        if ok is False:
+            raise PipelineCommError(f"{self.describe()}: {what}{with_peer} timed out after {seconds:g}s.",
+                                    peer=peer, reason="timeout")

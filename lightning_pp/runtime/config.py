@@ -1,0 +1,117 @@
+"""How a model is pipelined: one frozen, typed configuration, checked once where it is made.
+
+The strategies build a :class:`PipelineConfig` from their (typed, documented) constructor arguments,
+``build_pipeline`` from its keyword arguments; it then travels whole to the runtime. A
+configuration that cannot work fails when it is made, before any process group exists; the
+checks that need the world size run in :meth:`PipelineConfig.resolve`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+from lightning_pp.runtime.failure import WatchdogConfig
+from lightning_pp.runtime.partition import CheckpointPolicy, Layout, checkpointed_layers
+from lightning_pp.runtime.topology import ParallelDims
+from lightning_pp.schedules import SCHEDULES, ScheduleConfig, make_config
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)
+NonFinitePolicy = Literal["raise", "skip", "ignore"]
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+BatchCheck = Literal["raise", "warn", "off"]
+BATCH_CHECKS = ("raise", "warn", "off")
+
+
+def check_nonfinite_policy(nonfinite: str) -> None:
+    """Raise ``ValueError`` unless ``nonfinite`` is one of :data:`NONFINITE_POLICIES`."""
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite={nonfinite!r} is invalid: choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
+
+
+def check_batch_policy(check_batches: str, broadcast_batches: bool) -> None:
+    """Raise ``ValueError`` unless the batch options are valid."""
+    if check_batches not in BATCH_CHECKS:
+        raise ValueError(f"check_batches={check_batches!r} is invalid: choose one of {', '.join(map(repr, BATCH_CHECKS))}.")
+    if not isinstance(broadcast_batches, bool):
+        raise ValueError(f"broadcast_batches={broadcast_batches!r} is invalid: pass True or False.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Every option of a pipeline (see ``build_pipeline`` and the strategies for the prose)."""
+
+    pipeline_parallel_size: Optional[int] = None
+    """Pipeline stages; ``None``: the world size divided by ``expert_parallel_size``."""
+    expert_parallel_size: int = 1
+    """Ranks per expert-parallel group (inside one stage)."""
+    virtual_pipeline_size: int = 1
+    """Model chunks per rank (at least 2 for ``interleaved``)."""
+    num_microbatches: Optional[int] = None
+    """Microbatches per batch; ``None``: twice the pipeline size."""
+    schedule: str = "1f1b"
+    """``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"`` or ``"gpipe"``."""
+    layout: Layout = None
+    """Layers per virtual stage: a list or a Megatron-style string; ``None``: balanced."""
+    microbatch_group_size: Optional[int] = None
+    """Interleaved grouping of microbatches; ``None``: the pipeline size."""
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    """How long any wait of a step may last before the step fails, naming the rank that stalled."""
+    nonfinite: str = "raise"
+    """A step with inf/nan loss or gradients: ``"raise"``, ``"skip"`` or ``"ignore"``, on every rank alike."""
+    watchdog: Union[bool, WatchdogConfig] = True
+    """The watchdog thread (publishes this rank's position, ends it if blocked after a peer failed)."""
+    static_shapes: bool = True
+    """Stage outputs' shapes follow from the batch's: repeated shapes travel without headers."""
+    activation_checkpointing: CheckpointPolicy = False
+    """Layers recomputed in backward: ``True`` (all that can be), ``False``, or layer classes."""
+    check_batches: str = "raise"
+    """Compare every step a fingerprint of each stage's batch: ``"raise"``, ``"warn"`` or ``"off"``."""
+    broadcast_batches: bool = False
+    """Use pipeline rank 0's batch on every stage (one broadcast per step) instead of checking."""
+
+    def __post_init__(self) -> None:
+        check_nonfinite_policy(self.nonfinite)
+        check_batch_policy(self.check_batches, self.broadcast_batches)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not a known schedule: choose one of {', '.join(SCHEDULES)}.")
+        if not isinstance(self.static_shapes, bool):
+            raise ValueError(f"static_shapes={self.static_shapes!r} is invalid: pass True or False.")
+        if not isinstance(self.timeout, datetime.timedelta) or self.timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout={self.timeout!r} is invalid: give a positive datetime.timedelta, "
+                             f"e.g. datetime.timedelta(minutes=10).")
+        if not isinstance(self.watchdog, (bool, WatchdogConfig)):
+            raise ValueError(f"watchdog={self.watchdog!r} is invalid: pass True, False or a WatchdogConfig.")
+        checkpointed_layers([], self.activation_checkpointing)  # the policy's form; its layers at the cut
+        if self.pipeline_parallel_size is not None:
+            self.schedule_config  # validates the schedule with its sizes  # noqa: B018
+
+    @property
+    def schedule_config(self) -> ScheduleConfig:
+        """The validated schedule (needs the pipeline size: see :meth:`resolve`)."""
+        if self.pipeline_parallel_size is None:
+            raise ValueError("the pipeline size is not known yet: resolve the configuration for a world size first.")
+        return make_config(self.schedule, self.pipeline_parallel_size, self.virtual_pipeline_size,
+                           self.num_microbatches, self.microbatch_group_size)
+
+    @property
+    def watchdog_config(self) -> WatchdogConfig:
+        return self.watchdog if isinstance(self.watchdog, WatchdogConfig) else WatchdogConfig(enabled=self.watchdog)
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """The parallel sizes for ``world_size`` ranks (checked)."""
+        ep = self.expert_parallel_size
+        if self.pipeline_parallel_size is None:
+            ParallelDims(world_size, 1, ep).check()
+            return ParallelDims(world_size, world_size // ep, ep).check()
+        return ParallelDims(world_size, self.pipeline_parallel_size, ep).check()
+
+    def resolve(self, world_size: int) -> "PipelineConfig":
+        """This configuration for ``world_size`` ranks: the pipeline size and the microbatch count
+        filled in, and every check that needs them run."""
+        pp = self.dims(world_size).pp
+        schedule = make_config(self.schedule, pp, self.virtual_pipeline_size, self.num_microbatches,
+                               self.microbatch_group_size)
+        return dataclasses.replace(self, pipeline_parallel_size=pp, num_microbatches=schedule.microbatches)
