@@ -43,7 +43,7 @@ def _fit(rank, world, strategy_spec, local_batch, overrides=None):
     model = PipeRegressor()
     strategy = strategy_spec if isinstance(strategy_spec, str) else PipelineStrategy(**strategy_spec)
     trainer = L.Trainer(devices=world, strategy=strategy, **{**COMMON, **(overrides or {})})
-    dp = world // strategy.options.dims(world).pp if not isinstance(strategy, str) else 1
+    dp = world // strategy.config.dims(world).pp if not isinstance(strategy, str) else 1
     data = loader(local_batch, dp=dp, dp_rank=rank % dp)
     trainer.fit(model, data, data)
     names = model._lpp_executor.partition.parameter_names

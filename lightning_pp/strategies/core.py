@@ -1,86 +1,20 @@
-"""What the Trainer and the Fabric strategies share: options, building the pipeline, logging
-from the last stage, gradient clipping, predictions."""
+"""What the Trainer and the Fabric strategies share: the pipeline's configuration (one
+:class:`~lightning_pp.runtime.config.PipelineConfig`, made from the constructor's typed arguments),
+building the pipeline, logging from the last stage, gradient clipping, predictions."""
 
 from __future__ import annotations
 
-import datetime
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.runtime import (
-    CheckpointPolicy,
-    PipelineExecutor,
-    StepResult,
-    build_pipeline,
-    build_topology,
-    check_protocol,
-)
-from lightning_pp.runtime.executor import check_batch_policy, check_nonfinite_policy
-from lightning_pp.runtime.failure import WatchdogConfig
+from lightning_pp.runtime import PipelineExecutor, StepResult, build_pipeline, build_topology, check_protocol
+from lightning_pp.runtime.config import DEFAULT_TIMEOUT as DEFAULT_PIPELINE_TIMEOUT  # noqa: F401  (re-exported)
+from lightning_pp.runtime.config import PipelineConfig
 from lightning_pp.runtime.grads import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.microbatch import batch_size
-from lightning_pp.runtime.partition import checkpointed_layers
-from lightning_pp.runtime.topology import ParallelDims
-from lightning_pp.schedules import SCHEDULES, ScheduleConfig, make_config
-
-DEFAULT_PIPELINE_TIMEOUT = datetime.timedelta(seconds=600)
-
-
-@dataclass
-class PipelineOptions:
-    """The pipeline part of a strategy's configuration. ``None`` sizes are derived from the world
-    size: pipeline size = world / expert size, microbatches = 2 x pipeline size.
-
-    ``nonfinite="raise"`` by default: a step whose loss or gradients hold inf/nan stops training on
-    every rank at that step, naming the pipeline ranks whose gradients were affected. Unnoticed,
-    one such step turns every parameter into nan and the rest of a long multi-GPU run is wasted;
-    "skip" (drop the step, keep going, warn) is for runs that expect rare spikes, "ignore" is
-    plain PyTorch's behaviour."""
-
-    pipeline_parallel_size: Optional[int] = None
-    expert_parallel_size: int = 1
-    virtual_pipeline_size: int = 1
-    num_microbatches: Optional[int] = None
-    schedule: str = "1f1b"
-    layout: Union[None, str, list[int]] = None
-    microbatch_group_size: Optional[int] = None
-    pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT
-    nonfinite: str = "raise"
-    pipeline_watchdog: Union[bool, WatchdogConfig] = True
-    activation_checkpointing: CheckpointPolicy = False
-    static_shapes: bool = True
-    check_batches: str = "raise"
-    broadcast_batches: bool = False
-
-    def check_static(self) -> None:
-        """Checks that need no world size (run in the constructor)."""
-        check_nonfinite_policy(self.nonfinite)
-        check_batch_policy(self.check_batches, self.broadcast_batches)
-        if not isinstance(self.static_shapes, bool):
-            raise ValueError(f"static_shapes={self.static_shapes!r} is invalid: pass True or False.")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} is not a known schedule: choose one of {', '.join(SCHEDULES)}.")
-        if self.pipeline_parallel_size is not None:
-            self.schedule_config(self.pipeline_parallel_size)
-        checkpointed_layers([], self.activation_checkpointing)  # the policy's form; its layers at setup
-
-    def dims(self, world_size: int) -> ParallelDims:
-        ep = self.expert_parallel_size
-        if self.pipeline_parallel_size is None:
-            ParallelDims(world_size, 1, ep).check()
-            return ParallelDims(world_size, world_size // ep, ep).check()
-        return ParallelDims(world_size, self.pipeline_parallel_size, ep).check()
-
-    def schedule_config(self, pp: int) -> ScheduleConfig:
-        return make_config(self.schedule, pp, self.virtual_pipeline_size, self.num_microbatches, self.microbatch_group_size)
-
-    def check(self, world_size: int) -> ScheduleConfig:
-        """Every configuration check, before any process group exists."""
-        return self.schedule_config(self.dims(world_size).pp)
 
 
 class LogRecorder:
@@ -119,8 +53,8 @@ class LogRecorder:
 class PipelineEngine:
     """Builds the executor for a module and runs steps; no Lightning state."""
 
-    def __init__(self, options: PipelineOptions) -> None:
-        self.options = options
+    def __init__(self, config: PipelineConfig) -> None:
+        self.config = config
         self.executor: Optional[PipelineExecutor] = None
         self.topology = None
         self.recorder = LogRecorder()
@@ -142,9 +76,9 @@ class PipelineEngine:
 
     def setup_topology(self, device_type: str) -> None:
         if self.topology is None:
-            dims = self.options.dims(dist.get_world_size())
-            self.options.check(dist.get_world_size())
-            self.topology = build_topology(dims.pp, dims.ep, device_type)
+            self.config = self.config.resolve(dist.get_world_size())  # every check that needs the world size
+            self.topology = build_topology(self.config.pipeline_parallel_size, self.config.expert_parallel_size,
+                                           device_type)
 
     def setup_module(self, module: nn.Module, device: torch.device) -> PipelineExecutor:
         """Cut ``module`` for this rank (once; a module already cut is reused)."""
@@ -154,26 +88,7 @@ class PipelineEngine:
             return existing
         check_protocol(module)
         self.setup_topology(device.type)
-        opts = self.options
-        executor = build_pipeline(
-            module,
-            pipeline_parallel_size=self.topology.pp,
-            virtual_pipeline_size=opts.virtual_pipeline_size,
-            num_microbatches=opts.num_microbatches,
-            schedule=opts.schedule,
-            expert_parallel_size=opts.expert_parallel_size,
-            layout=opts.layout,
-            microbatch_group_size=opts.microbatch_group_size,
-            device=device,
-            timeout=opts.pipeline_timeout,
-            topology=self.topology,
-            nonfinite=opts.nonfinite,
-            watchdog=opts.pipeline_watchdog,
-            activation_checkpointing=opts.activation_checkpointing,
-            static_shapes=opts.static_shapes,
-            check_batches=opts.check_batches,
-            broadcast_batches=opts.broadcast_batches,
-        )
+        executor = build_pipeline(module, device=device, topology=self.topology, config=self.config)
         executor.loss_fn = self._recording_loss(module)
         self.executor = executor
         return executor
@@ -256,9 +171,10 @@ def join_microbatches(outputs: list) -> Any:
 
 class PipelineStrategyMixin:
     """What the Trainer and Fabric strategies do alike. Put it before Lightning's ``DDPStrategy``
-    in the bases; the subclass sets ``self.options`` and ``self.engine`` in its constructor."""
+    in the bases; the subclass sets ``self.config`` (a :class:`PipelineConfig`) and ``self.engine``
+    in its constructor."""
 
-    options: PipelineOptions
+    config: PipelineConfig
     engine: PipelineEngine
     #: Modules left on the meta device (``configure_model``, ``init_module(empty_init=True)``) are
     #: materialised after the cut, only what each rank keeps (``lightning_pp.runtime.meta``).
@@ -267,13 +183,13 @@ class PipelineStrategyMixin:
     def _configure_launcher(self) -> None:
         # Runs in the launching process once devices and nodes are known: a configuration that
         # cannot work fails here, before processes are spawned or groups created.
-        self.options.check(self.num_nodes * self.num_processes)
+        self.config.resolve(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
         # Every stage of one pipeline must see the same batch: shard the data over dp only.
-        dims = self.options.dims(self.world_size)
+        dims = self.config.dims(self.world_size)
         return {"num_replicas": dims.dp, "rank": dims.coordinates(self.global_rank)["dp"]}
 
     @property
