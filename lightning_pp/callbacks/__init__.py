@@ -2,14 +2,15 @@
 simulator's ideal, hidden all-to-all), merged plan-vs-measurement traces and pictures, and the
 ``PipelineMonitor`` Trainer callback.
 
-``analysis`` and ``export`` need no Lightning (use them from Fabric or a plain loop);
+``records``, ``analysis`` and ``export`` need no Lightning (use them from Fabric or a plain loop);
 ``PipelineMonitor`` is imported on first access, so importing this package stays Lightning-free.
 """
 
 from typing import Any
 
-from lightning_pp.callbacks.analysis import PipelineStats, RankTimeline, analyze, gather_spans
+from lightning_pp.callbacks.analysis import PipelineStats, analyze
 from lightning_pp.callbacks.export import capture_step, export_png, export_trace, merged_trace
+from lightning_pp.callbacks.records import RankTimeline, gather_spans
 
 __all__ = [
     "PipelineMonitor",

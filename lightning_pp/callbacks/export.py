@@ -1,11 +1,11 @@
 """Pictures of one measured step next to its plan: a Chrome/Perfetto trace and a PNG timeline.
 
-Both take the spans of every rank (what :func:`~lightning_pp.callbacks.analysis.gather_spans`
+Both take the spans of every rank (what :func:`~lightning_pp.callbacks.records.gather_spans`
 returns) and the :class:`ScheduleConfig`, and show for each rank two rows: the **planned** step
 (the simulator run with this step's measured mean action costs, see
 :func:`~lightning_pp.callbacks.analysis.analyze`) and the **measured** one. Time zero is the start
 of the step's first action on any rank. The planned rows are drawn with the schedule renderers
-(:func:`~lightning_pp.schedules.chrome_trace`, :func:`~lightning_pp.schedules.render.draw_actions`).
+(:func:`~lightning_pp.schedules.chrome_trace`, :func:`~lightning_pp.schedules.plot.draw_actions`).
 
 From Fabric or a plain loop, after a training step (collective: every rank calls it)::
 
@@ -28,13 +28,12 @@ from lightning_pp.callbacks.analysis import (
     RECV_WAIT,
     PipelineStats,
     analyze,
-    as_records,
     compute_busy,
-    gather_spans,
     match_actions,
     merge_intervals,
     span_action,
 )
+from lightning_pp.callbacks.records import as_records, gather_spans
 from lightning_pp.schedules import ScheduleConfig, chrome_trace
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -114,7 +113,7 @@ def merged_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, step: Op
             b, w = busy[id(span)]
             args = dict(action.to_dict(), track="measured", busy_ms=b * 1e3, recv_wait_ms=w * 1e3)
             events.append({
-                "name": action.describe(), "cat": _CATEGORY.get(span.kind, span.kind), "ph": "X",
+                "name": action.describe(), "cat": _CATEGORY.get(span.kind, str(span.kind)), "ph": "X",
                 "ts": (span.start + offset - zero) * us, "dur": (span.end - span.start) * us,
                 "pid": pid, "tid": MEASURED_TID, "args": args,
             })
@@ -139,7 +138,7 @@ def merged_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, step: Op
             else:
                 continue
             events.append({
-                "name": label, "cat": span.kind, "ph": "X", "ts": (span.start + offset - zero) * us,
+                "name": label, "cat": str(span.kind), "ph": "X", "ts": (span.start + offset - zero) * us,
                 "dur": (span.end - span.start) * us, "pid": pid, "tid": tid, "args": args,
             })
 
@@ -156,7 +155,7 @@ def merged_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, step: Op
         "ideal_bubble_fraction": stats.ideal_bubble,
         "ideal_rank_bubble": stats.ideal_rank_bubble,
         "step_ms": stats.step_time * 1e3,
-        "action_ms": {kind: cost * 1e3 for kind, cost in stats.costs.items()},
+        "action_ms": {str(kind): cost * 1e3 for kind, cost in stats.costs.items()},
         "a2a_hidden": stats.a2a_hidden,
         "summary": stats.summary(),
     }
@@ -184,7 +183,7 @@ def export_png(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: Path
     milliseconds from the step's first action. In measured rows hatched white marks the part of
     an action spent waiting for a neighbour's activation or gradient (``recv_wait``), red hatching
     exposed all-to-all waits, and a grey bar the optimizer step."""
-    from lightning_pp.schedules.render import action_colour, draw_actions, require_matplotlib
+    from lightning_pp.schedules.plot import action_colour, draw_actions, require_matplotlib
 
     _, Figure, FigureCanvasAgg = require_matplotlib("export_png")
     from matplotlib.patches import Patch

@@ -19,9 +19,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_pp.callbacks.analysis import OPTIMIZER, PipelineStats, RankTimeline, analyze, gather_spans
+from lightning_pp.callbacks.analysis import PipelineStats, analyze
 from lightning_pp.callbacks.export import export_png, export_trace, step_file_names
+from lightning_pp.callbacks.records import RankTimeline, gather_spans
 from lightning_pp.runtime.microbatch import batch_size
+from lightning_pp.runtime.timeline import SpanKind
 
 
 def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
@@ -161,7 +163,7 @@ class PipelineMonitor(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not self.write_png or self._png_unavailable is not None or not trainer.is_global_zero:
             return  # only global rank 0 draws
-        from lightning_pp.schedules.render import require_matplotlib
+        from lightning_pp.schedules.plot import require_matplotlib
 
         try:
             require_matplotlib("PipelineMonitor(write_png=True)")
@@ -217,7 +219,7 @@ class PipelineMonitor(Callback):
         timeline = executor.timeline
         if self._opt_start is not None:
             end = self._opt_end if self._opt_end is not None else timeline.mark()
-            timeline.add_between(OPTIMIZER, -1, -1, self._opt_start, end)
+            timeline.add_between(SpanKind.OPTIMIZER, -1, -1, self._opt_start, end)
             self._opt_start = self._opt_end = None
         index = self._batch_index
         if not timeline.enabled:
