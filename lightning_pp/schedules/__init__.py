@@ -11,11 +11,14 @@ from lightning_pp.schedules.actions import (
     FORWARD_BACKWARD,
     WEIGHT_GRAD,
     Action,
+    ActionKind,
     stage_owner,
     virtual_stage,
 )
-from lightning_pp.schedules.render import ascii_timeline, chrome_trace, plot_timeline, stats_table
-from lightning_pp.schedules.simulator import CostModel, SimulationResult, allreduce_time, simulate
+from lightning_pp.schedules.costs import CostModel, allreduce_time
+from lightning_pp.schedules.plot import plot_timeline
+from lightning_pp.schedules.render import ascii_timeline, chrome_trace, stats_table
+from lightning_pp.schedules.simulator import SimulationResult, simulate
 from lightning_pp.schedules.tables import (
     SCHEDULES,
     ScheduleConfig,
@@ -29,6 +32,7 @@ from lightning_pp.schedules.tables import (
 
 __all__ = [
     "Action",
+    "ActionKind",
     "CostModel",
     "SimulationResult",
     "BACKWARD",

@@ -16,8 +16,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from lightning_pp.schedules.render import ascii_timeline, chrome_trace, plot_timeline, stats_table
-from lightning_pp.schedules.simulator import CostModel, simulate
+from lightning_pp.schedules.costs import CostModel
+from lightning_pp.schedules.plot import plot_timeline
+from lightning_pp.schedules.render import ascii_timeline, chrome_trace, stats_table
+from lightning_pp.schedules.simulator import simulate
 from lightning_pp.schedules.tables import SCHEDULES, make_config
 
 

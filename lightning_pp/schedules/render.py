@@ -1,17 +1,15 @@
-"""Ways to look at a :class:`~lightning_pp.schedules.simulator.SimulationResult`.
+"""Text and trace views of a :class:`~lightning_pp.schedules.simulator.SimulationResult`.
 
 * :func:`ascii_timeline` -- one text row per rank, for terminals and docstrings.
 * :func:`stats_table` -- per-rank busy time, bubble and peak in-flight activations.
 * :func:`chrome_trace` -- Chrome / Perfetto trace JSON (open in ``chrome://tracing`` or
   https://ui.perfetto.dev).
-* :func:`plot_timeline` -- the classic pipeline diagram as an image (needs matplotlib, which is
-  imported only here and only when called); :func:`draw_actions` draws the same bars on any
-  matplotlib axes (the pipeline monitor uses it for planned and measured rows side by side).
+
+Pictures (matplotlib) are in :mod:`lightning_pp.schedules.plot`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -26,7 +24,7 @@ _ALLREDUCE_LABEL = "AR"
 _SCALED_CHAR = {FORWARD: "F", BACKWARD: "B", FORWARD_BACKWARD: "X", WEIGHT_GRAD: "W"}
 
 
-def _label(action: Action, show_chunks: bool) -> str:
+def action_label(action: Action, show_chunks: bool) -> str:
     """``F3`` / ``B3`` / ``F4+B1`` with one chunk per rank, ``F3.1`` ... with several."""
     if show_chunks:
         return action.describe()
@@ -42,7 +40,8 @@ def _uses_chunks(result: SimulationResult) -> bool:
     return False
 
 
-def _format_time(value: float) -> str:
+def format_time(value: float) -> str:
+    """A time in the cost model's unit, as the timelines and tables print it (6 significant digits)."""
     return f"{value:.6g}"
 
 
@@ -79,7 +78,7 @@ def ascii_timeline(result: SimulationResult, pp: int, width: Optional[int] = Non
         for start, end, kind, action in spans:
             first = max(int(round(start / quantum)), previous_end)
             last = max(int(round(end / quantum)), first + 1)
-            label = _ALLREDUCE_LABEL if action is None else _label(action, show_chunks)
+            label = _ALLREDUCE_LABEL if action is None else action_label(action, show_chunks)
             cells.append((first, last, label, kind))
             # The label and one separating space must fit in the action's cells.
             cell_width = max(cell_width, math.ceil((len(label) + 1) / (last - first)))
@@ -93,7 +92,7 @@ def ascii_timeline(result: SimulationResult, pp: int, width: Optional[int] = Non
         return _scaled_timeline(rows, pp, body_width, prefix_width)
     cells_per_block = math.ceil(total_cells / blocks)  # balanced blocks, no stub of one cell
 
-    lines = [f"1 cell = {_format_time(quantum)} time units; '.' = idle"]
+    lines = [f"1 cell = {format_time(quantum)} time units; '.' = idle"]
     for block in range(blocks):
         lo = block * cells_per_block
         hi = min(total_cells, lo + cells_per_block)
@@ -138,7 +137,7 @@ def _time_axis(lo: int, hi: int, cell_width: int, quantum: float) -> str:
     cell = lo + (-lo) % step  # first multiple of step at or after lo
     last_written = -1
     while cell < hi:
-        text = _format_time(cell * quantum)
+        text = format_time(cell * quantum)
         pos = (cell - lo) * cell_width
         if pos > last_written and pos + len(text) <= len(chars):
             chars[pos : pos + len(text)] = text
@@ -169,7 +168,7 @@ def _scaled_timeline(rows: list, pp: int, body_width: int, prefix_width: int) ->
     columns = body_width
     per_column = makespan / columns
     lines = [
-        f"1 column = {_format_time(per_column)} time units (scaled to fit); "
+        f"1 column = {format_time(per_column)} time units (scaled to fit); "
         "F forward, B backward, X combined F+B, W weight-grad, A DP all-reduce, . idle"
     ]
     rank_width = len(str(pp - 1))
@@ -195,18 +194,18 @@ def stats_table(result: SimulationResult) -> str:
     lines = [header, "-" * len(header)]
     for rank in range(result.pp):
         lines.append(
-            f"{rank:>4}  {_format_time(result.busy[rank]):>10}  {result.rank_bubble[rank]:>7.1%}  "
-            f"{result.peak_inflight[rank]:>14}  {_format_time(result.exposed_a2a[rank]):>11}"
+            f"{rank:>4}  {format_time(result.busy[rank]):>10}  {result.rank_bubble[rank]:>7.1%}  "
+            f"{result.peak_inflight[rank]:>14}  {format_time(result.exposed_a2a[rank]):>11}"
         )
     lines.append("-" * len(header))
     lines.append(f"bubble fraction: {result.bubble_fraction:.2%}")
-    lines.append(f"pipeline makespan: {_format_time(result.pipeline_makespan)}")
+    lines.append(f"pipeline makespan: {format_time(result.pipeline_makespan)}")
     if result.allreduce_algorithm == "none":
-        lines.append(f"makespan: {_format_time(result.makespan)}")
+        lines.append(f"makespan: {format_time(result.makespan)}")
     else:
         lines.append(
-            f"makespan: {_format_time(result.makespan)} (incl. DP all-reduce "
-            f"{_format_time(result.allreduce_time)}, {result.allreduce_algorithm})"
+            f"makespan: {format_time(result.makespan)} (incl. DP all-reduce "
+            f"{format_time(result.allreduce_time)}, {result.allreduce_algorithm})"
         )
     return "\n".join(lines)
 
@@ -282,124 +281,4 @@ def chrome_trace(result: SimulationResult, cfg: ScheduleConfig, us_per_unit: flo
     }
 
 
-def _mix(rgb, other, weight: float) -> tuple:
-    return tuple(weight * a + (1.0 - weight) * b for a, b in zip(rgb, other))
-
-
-def require_matplotlib(what: str):
-    """(matplotlib, Figure, FigureCanvasAgg), or an ImportError saying how to install the extra."""
-    try:
-        import matplotlib
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as err:  # pragma: no cover - exercised only without matplotlib
-        raise ImportError(
-            f"{what} needs matplotlib, which is not installed: run `pip install lightning_pp[plot]`."
-        ) from err
-    return matplotlib, Figure, FigureCanvasAgg
-
-
-@functools.lru_cache(maxsize=4096)
-def action_colour(microbatch: int, microbatches: int, backward: bool) -> tuple:
-    """RGB of an action in the timeline pictures: one hue per microbatch (``tab10`` for up to 10
-    microbatches, ``turbo`` beyond), forwards lighter and backwards darker."""
-    matplotlib, _, _ = require_matplotlib("action_colour")
-    if microbatches <= 10:
-        base = matplotlib.colormaps["tab10"](microbatch % 10)[:3]
-    else:
-        base = matplotlib.colormaps["turbo"](microbatch / max(microbatches - 1, 1))[:3]
-    if backward:
-        return _mix(base, (0.0, 0.0, 0.0), 0.7)
-    return _mix(base, (1.0, 1.0, 1.0), 0.55)
-
-
-def draw_actions(ax, events, microbatches: int, show_chunks: bool, points_per_unit: float, height: float = 0.8,
-                 max_labels: int = 400) -> None:
-    """Draw placed actions ``(row, action, start, end)`` as bars on the matplotlib axes ``ax``, row
-    ``r`` centred on ``y = r``: coloured by :func:`action_colour`, a combined ``FB`` split
-    horizontally with its forward half on top, a ``W`` grey. Up to ``max_labels`` actions are
-    labelled (``F3``, ``B3``, ``F3.1`` with chunks) where the label fits at 7 pt, given
-    ``points_per_unit`` (points per time unit on the x axis)."""
-    # One broken_barh (one collection) per row and half, so large tables stay fast to draw.
-    bars: dict = {}
-    labels = []
-    for row, action, start, end in events:
-        span = (start, end - start)
-        if action.kind == FORWARD_BACKWARD:
-            bars.setdefault((row, "top"), []).append((span, action_colour(action.microbatch, microbatches, False)))
-            bars.setdefault((row, "bottom"), []).append((span, action_colour(action.b_microbatch, microbatches, True)))
-        elif action.kind in (FORWARD, BACKWARD):
-            colour = action_colour(action.microbatch, microbatches, action.kind == BACKWARD)
-            bars.setdefault((row, "full"), []).append((span, colour))
-        else:
-            bars.setdefault((row, "full"), []).append((span, (0.6, 0.6, 0.6)))
-        labels.append((row, action, start, end))
-
-    for (row, part), items in bars.items():
-        y = row - height / 2
-        y0, h = {"full": (y, height), "top": (y, height / 2), "bottom": (y + height / 2, height / 2)}[part]
-        ax.broken_barh([b[0] for b in items], (y0, h), facecolors=[b[1] for b in items], edgecolor="white",
-                       linewidth=0.4)
-
-    if len(labels) > max_labels:
-        return
-    for row, action, start, end in labels:
-        if action.kind == FORWARD_BACKWARD:
-            texts = [(row - height / 4, f"F{action.microbatch}" + (f".{action.chunk}" if show_chunks else "")),
-                     (row + height / 4, f"B{action.b_microbatch}" + (f".{action.b_chunk}" if show_chunks else ""))]
-        else:
-            texts = [(row, _label(action, show_chunks))]
-        for y, text in texts:
-            if (end - start) * points_per_unit < 4.5 * len(text):
-                continue  # would not fit inside the bar at 7 pt
-            ax.text((start + end) / 2, y, text, ha="center", va="center", fontsize=7)
-
-
-def plot_timeline(result: SimulationResult, cfg: ScheduleConfig, path) -> None:
-    """Save the classic pipeline diagram to ``path`` (format from the extension, e.g. ``.png``).
-
-    Rows are ranks (rank 0 on top), one colour per microbatch, forwards lighter and backwards
-    darker; a combined ``FB`` action is split horizontally, its forward half on top. Uses the Agg
-    canvas directly, so it never touches pyplot's global state or the user's backend.
-    """
-    _, Figure, FigureCanvasAgg = require_matplotlib("plot_timeline")
-    from matplotlib.patches import Patch
-
-    makespan = max(result.makespan, 1e-12)
-    fig = Figure(figsize=(min(max(8.0, makespan * 0.2), 32.0), min(1.2 + 0.45 * cfg.pp, 40.0)))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-
-    height = 0.8
-    points_per_unit = fig.get_figwidth() * 72 * 0.85 / makespan  # roughly: axes span ~85% of the figure
-    draw_actions(ax, result.events, cfg.microbatches, cfg.vp > 1, points_per_unit, height)
-    if result.allreduce_time > 0:
-        for rank in range(cfg.pp):
-            ax.broken_barh(
-                [(result.rank_end[rank], result.allreduce_time)], (rank - height / 2, height),
-                facecolors="lightgrey", edgecolor="grey", hatch="//", linewidth=0.4,
-            )
-
-    ax.set_ylim(cfg.pp - 0.5, -0.5)
-    ax.set_yticks(range(cfg.pp))
-    ax.set_yticklabels([f"rank {r}" for r in range(cfg.pp)])
-    ax.set_xlim(0, makespan)
-    ax.set_xlabel("time (cost-model units)")
-    ax.set_title(
-        f"{cfg.schedule}  pp={cfg.pp} vp={cfg.vp} microbatches={cfg.microbatches}  "
-        f"bubble {result.bubble_fraction:.1%}  makespan {_format_time(result.makespan)}"
-    )
-    ax.legend(
-        handles=[
-            Patch(facecolor=action_colour(0, cfg.microbatches, False), label="forward (lighter)"),
-            Patch(facecolor=action_colour(0, cfg.microbatches, True), label="backward (darker)"),
-        ],
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0),
-        fontsize=7,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-__all__ = ["action_colour", "ascii_timeline", "chrome_trace", "draw_actions", "plot_timeline", "stats_table"]
+__all__ = ["action_label", "ascii_timeline", "chrome_trace", "format_time", "stats_table"]

@@ -30,9 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_pp.schedules.actions import Action, backward, forward, forward_backward
+from lightning_pp.schedules.actions import Action, backward, forward, forward_backward, stage_owner, virtual_stage
 
 SCHEDULES = ("1f1b", "interleaved", "combined_1f1b", "gpipe")
+#: Schedules whose two chunks per rank sit in a V (see :attr:`ScheduleConfig.placement`).
+V_SCHEDULES: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,27 @@ class ScheduleConfig:
     @property
     def num_stages(self) -> int:
         return self.pp * self.vp
+
+    @property
+    def placement(self) -> str:
+        """Where virtual stages live. ``"loop"`` (Megatron's interleaved placement): local chunk
+        ``c`` of rank ``r`` is stage ``c * pp + r``. ``"v"`` (the V-shaped schedules, two chunks per
+        rank): chunk 0 of rank ``r`` is stage ``r`` and chunk 1 is stage ``2 * pp - 1 - r``, so rank
+        0 holds the first and the last stage."""
+        return "v" if self.schedule in V_SCHEDULES else "loop"
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        """Global virtual stage of local ``chunk`` on pipeline ``rank``."""
+        return virtual_stage(rank, chunk, self.pp, self.placement)
+
+    def owner_of(self, stage: int) -> tuple[int, int]:
+        """(pipeline rank, local chunk) that holds virtual ``stage``."""
+        return stage_owner(stage, self.pp, self.placement)
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The pipeline rank that holds the last virtual stage (where the loss is computed)."""
+        return self.owner_of(self.num_stages - 1)[0]
 
     @property
     def is_interleaved(self) -> bool:
