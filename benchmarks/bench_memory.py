@@ -82,7 +82,7 @@ def _activation_bound(cfg: dict, world: int) -> list[float]:
     for rank, count in enumerate(layout):
         seen: dict[int, int] = {}
 
-        def pack(t):
+        def pack(t, seen=seen):
             ptr = t.untyped_storage().data_ptr()
             if ptr not in weights:  # weights saved for backward are not activations
                 seen[ptr] = t.untyped_storage().nbytes()

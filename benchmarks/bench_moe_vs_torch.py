@@ -94,7 +94,7 @@ class _Torch:
         else:
             self.schedule.step(target=y, losses=losses)
         self.opt.step()
-        return sum(float(l.detach()) for l in losses) / self.n_mb if losses else None
+        return sum(float(loss.detach()) for loss in losses) / self.n_mb if losses else None
 
 
 def _measure(rank: int, world: int, cfg: dict) -> dict:
@@ -115,7 +115,9 @@ def _measure(rank: int, world: int, cfg: dict) -> dict:
             grads_torch = [p.grad.clone() for p in impl.params]
     for a, b in zip(grads_ours, grads_torch):
         if not torch.allclose(a, b, rtol=1e-4, atol=1e-6):
-            raise AssertionError(f"rank {rank}: our 1F1B gradient differs from torch's by {float((a - b).abs().max()):.3g} (largest {float(b.abs().max()):.3g}, shape {tuple(b.shape)})")
+            raise AssertionError(f"rank {rank}: our 1F1B gradient differs from torch's by "
+                                 f"{float((a - b).abs().max()):.3g} (largest {float(b.abs().max()):.3g}, "
+                                 f"shape {tuple(b.shape)})")
     if rank == PP - 1:
         ref = losses["torch_1f1b"]
         for name, value in losses.items():

@@ -202,7 +202,7 @@ class _Torch:
         if not self.is_last:
             return None
         # Mean of per-microbatch means = batch mean (equal microbatches).
-        return float(sum(float(l.detach()) for l in losses) / self.n_mb)
+        return float(sum(float(loss.detach()) for loss in losses) / self.n_mb)
 
 
 # -- worker -----------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def _check_equivalence(ours: _Ours, theirs: _Torch, batch, rank: int) -> dict:
         return_outputs=False,
         **({"target": y, "losses": losses} if theirs.is_last else {}),
     )
-    loss_torch_local = sum(float(l.detach()) for l in losses) / theirs.n_mb if theirs.is_last else 0.0
+    loss_torch_local = sum(float(loss.detach()) for loss in losses) / theirs.n_mb if theirs.is_last else 0.0
     t = torch.tensor([loss_torch_local], dtype=torch.float64)
     dist.all_reduce(t)  # only the last-stage rank contributes
     loss_torch = float(t[0])
@@ -568,9 +568,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ffn-mult", dest="ffn_mult", type=int, help=f"MLP expansion (default {DEFAULTS['ffn_mult']})")
     p.add_argument("--batch", type=int, help=f"batch size, divisible by --microbatches (default {DEFAULTS['batch']})")
     p.add_argument("--microbatches", type=int, help=f"microbatches per step (default {DEFAULTS['microbatches']})")
-    p.add_argument("--steps", type=int, help=f"measured steps per implementation (default {DEFAULTS['steps']}, quick {QUICK['steps']})")
+    p.add_argument("--steps", type=int, help=f"measured steps per implementation "
+                   f"(default {DEFAULTS['steps']}, quick {QUICK['steps']})")
     p.add_argument("--warmup", type=int, help=f"warm-up steps per implementation (default {DEFAULTS['warmup']})")
-    p.add_argument("--block-size", dest="block_size", type=int, help=f"steps per alternation block (default {DEFAULTS['block_size']})")
+    p.add_argument("--block-size", dest="block_size", type=int, help=f"steps per alternation block "
+                   f"(default {DEFAULTS['block_size']})")
     p.add_argument("--schedule", choices=(*SCHEDULES, "both"), help="default both")
     p.add_argument("--quick", action="store_true", default=None, help="few steps: a smoke test, not a measurement")
     p.add_argument("--lr", type=float, help=f"SGD learning rate (default {DEFAULTS['lr']})")

@@ -29,7 +29,7 @@ def _worker(fn, rank, world, port, args, queue):
         queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
     except BaseException as exc:
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             try:

@@ -31,7 +31,7 @@ def _worker(fn, rank, world_size, port, args, queue):
         queue.put((rank, True, pickle.dumps(result)))
     except BaseException as exc:  # report, then fail the process
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             try:
@@ -81,7 +81,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     exitcodes = {r: p.exitcode for r, p in enumerate(procs)}
     for r in range(world_size):
         if r not in results and r not in errors:
-            errors[r] = "no result (killed at the deadline or died)" if exitcodes[r] in (None, -9) else f"exited with {exitcodes[r]}"
+            killed = exitcodes[r] in (None, -9)
+            errors[r] = "no result (killed at the deadline or died)" if killed else f"exited with {exitcodes[r]}"
     if errors:
         raise DistributedFailure(errors, exitcodes, elapsed)
     return [pickle.loads(results[r]) for r in range(world_size)]

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run_cli(tmp_path, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(ROOT / "examples" / "cli.py"), "fit", "--config", str(ROOT / "examples" / "pipeline.yaml"),
-           "--trainer.max_steps=4", "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+           "--trainer.max_steps=4", "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={tmp_path}",
+           "--trainer.enable_progress_bar=false",
            "--trainer.logger=CSVLogger", f"--trainer.logger.save_dir={tmp_path}", *extra]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -41,7 +42,7 @@ def test_cli_with_class_path_strategy(tmp_path):
              "--trainer.strategy.init_args.broadcast_batches=true", "--trainer.strategy.init_args.nonfinite=skip",
              "--trainer.strategy.init_args.pipeline_timeout=0:05:00")
     losses = _train_losses(tmp_path)
-    assert losses and all(math.isfinite(l) and l > 0 for l in losses)
+    assert losses and all(math.isfinite(loss) and loss > 0 for loss in losses)
     ckpts = list(Path(tmp_path).rglob("*.ckpt"))
     assert ckpts and all((c / "meta.pt").is_file() for c in ckpts)  # sharded directory checkpoints
 

@@ -218,7 +218,7 @@ def test_stages_fed_different_batches_raise_warn_or_use_rank_zeros_batch(two_ran
         assert result[0] == "raised", f"rank {rank} trained on mismatched batches"
         assert "training step 1" in result[1] and "pipeline rank(s) [1]" in result[1], result[1]
         assert "broadcast_batches=True" in result[1]
-    for rank, result in enumerate(two_ranks("batches_warn")):
+    for result in two_ranks("batches_warn"):
         assert result[0] == "trained" and len(result[2]) == 2, result  # steps 1 and 2, on every rank
     # broadcast_batches: every stage runs pipeline rank 0's batch, so this is one device on rank 0's data
     per_rank = two_ranks("batches_broadcast")

@@ -190,7 +190,7 @@ def _pipelined(rank, world, model_kwargs, strategy_kwargs, augment, checkpoint_d
 def _compare(reference, per_rank):
     ref_params, ref_metrics, ref_preds = reference
     seen = set()
-    for rank, (params, held, metrics, preds, _, steps) in enumerate(per_rank):
+    for rank, (params, _held, metrics, preds, _, steps) in enumerate(per_rank):
         assert steps == 2 * 6  # two epochs of 22 (or 24) samples in batches of 4 (a short last batch ran)
         for name, value in params.items():
             torch.testing.assert_close(value, ref_params[name], rtol=1e-9, atol=1e-12, msg=f"{name} on rank {rank}")

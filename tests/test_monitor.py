@@ -345,7 +345,7 @@ def test_monitor_in_a_two_process_fit(tmp_path):
     # (every other check still runs).
     for attempt in range(2):
         log_root = tmp_path / f"attempt{attempt}"
-        results, foreign = _foreign_cores(lambda: run_distributed(_fit_with_monitor, 2, str(log_root), timeout=100))
+        results, foreign = _foreign_cores(lambda root=log_root: run_distributed(_fit_with_monitor, 2, str(root), timeout=100))
         measured, ideal, logged, simulated = _bubbles(results[0])
         if abs(measured - ideal) <= 0.3 * ideal:
             break

@@ -140,7 +140,7 @@ def _run(rank, world, cases):
         for name in ("send", "recv"):
             original = getattr(p2p, name)
 
-            def traced(*args, _original=original, _name=name):
+            def traced(*args, _original=original, _name=name, transfers=transfers):
                 transfers.append((_name, bool(RUN_LOG) and RUN_LOG[-1].get("running", False)))
                 return _original(*args)
 

@@ -35,7 +35,6 @@ def _reference(global_batch, **overrides):
 
 
 def _fit(rank, world, strategy_spec, local_batch, overrides=None):
-    import lightning_pp  # registers the strategy names
     from lightning_pp import PipelineStrategy
 
     os.environ["LOCAL_RANK"] = str(rank)

@@ -33,7 +33,7 @@ from lightning_pp.callbacks.analysis import (
     merge_intervals,
     span_action,
 )
-from lightning_pp.callbacks.records import as_records, gather_spans
+from lightning_pp.callbacks.records import RankTimeline, as_records, gather_spans
 from lightning_pp.schedules import ScheduleConfig, chrome_trace
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -80,68 +80,13 @@ def merged_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, step: Op
     and, with expert parallelism, tracks of the all-to-alls in flight (``a2a``, launch to
     completion). Every event's ``args`` says its track, microbatch and chunk."""
     records, stats = _prepare(spans_per_rank, config, alignment, stats)
-    zero = stats.window[0]
-    us = 1e6
     events: list = []
     for index, record in enumerate(records):
-        pid, pp_rank = record.rank, stats.pp_ranks[index]
-        dp = f", dp {record.dp_rank}" if record.dp_rank else ""
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-                       "args": {"name": f"rank {record.rank} (pp {pp_rank}{dp})"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
-                       "args": {"sort_index": record.rank}})
-        for tid, name in _TRACK_NAMES.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
-            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
-                           "args": {"sort_index": tid}})
-
-    # Planned: the schedule renderer's trace of the simulation (1 cost unit = 1 s), one copy per
-    # data-parallel pipeline, moved onto each rank's planned track.
-    planned = chrome_trace(stats.ideal, config, us_per_unit=us)
+        events.extend(_process_metadata(record, stats.pp_ranks[index]))
+    events.extend(_planned_events(records, stats, config))
     for index, record in enumerate(records):
-        for event in planned["traceEvents"]:
-            if event["ph"] != "X" or event["pid"] != stats.pp_ranks[index]:
-                continue
-            copy = dict(event, pid=record.rank, tid=PLANNED_TID, args=dict(event.get("args", {}), track="planned"))
-            events.append(copy)
-
-    for index, record in enumerate(records):
-        pid, offset = record.rank, stats.offsets[index]
-        busy = {id(span): (b, w) for span, b, w in compute_busy(record.spans)}
-        for span, action in match_actions(record, config, stats.pp_ranks[index]):
-            action = span_action(span, action)
-            b, w = busy[id(span)]
-            args = dict(action.to_dict(), track="measured", busy_ms=b * 1e3, recv_wait_ms=w * 1e3)
-            events.append({
-                "name": action.describe(), "cat": _CATEGORY.get(span.kind, str(span.kind)), "ph": "X",
-                "ts": (span.start + offset - zero) * us, "dur": (span.end - span.start) * us,
-                "pid": pid, "tid": MEASURED_TID, "args": args,
-            })
-        transfers = [span for span in record.spans if span.kind == A2A]
-        lanes = _lanes(transfers)
-        for lane in range(max(lanes, default=-1) + 1):
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": A2A_TID + lane,
-                           "args": {"name": f"all-to-all in flight ({lane + 1})"}})
-            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": A2A_TID + lane,
-                           "args": {"sort_index": A2A_TID + lane}})
-        lane_of = {id(span): lane for span, lane in zip(transfers, lanes)}
-        for span in record.spans:
-            if span.kind in _WAIT_KINDS:
-                tid, label = WAITS_TID, f"{span.kind} mb{span.microbatch}"
-                args = {"track": "waits", "microbatch": span.microbatch,
-                        ("stage" if span.kind == RECV_WAIT else "chunk"): span.chunk}
-            elif span.kind == A2A:
-                tid, label = A2A_TID + lane_of[id(span)], f"a2a mb{span.microbatch}"
-                args = {"track": "a2a", "microbatch": span.microbatch, "chunk": span.chunk}
-            elif span.kind == OPTIMIZER:
-                tid, label, args = MEASURED_TID, "optimizer", {"track": "measured"}
-            else:
-                continue
-            events.append({
-                "name": label, "cat": str(span.kind), "ph": "X", "ts": (span.start + offset - zero) * us,
-                "dur": (span.end - span.start) * us, "pid": pid, "tid": tid, "args": args,
-            })
-
+        events.extend(_measured_events(record, stats, config, index))
+        events.extend(_wait_and_transfer_events(record, stats.offsets[index] - stats.window[0]))
     other = {
         "schedule": config.schedule,
         "pp": config.pp,
@@ -162,6 +107,84 @@ def merged_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, step: Op
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
+_US = 1e6  # trace time unit: microseconds
+
+
+def _thread_metadata(pid: int, tid: int, name: str) -> list:
+    return [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}},
+            {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}}]
+
+
+def _process_metadata(record: RankTimeline, pp_rank: int) -> list:
+    """The process (rank) name and its fixed tracks."""
+    pid = record.rank
+    dp = f", dp {record.dp_rank}" if record.dp_rank else ""
+    events = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+               "args": {"name": f"rank {record.rank} (pp {pp_rank}{dp})"}},
+              {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": record.rank}}]
+    for tid, name in _TRACK_NAMES.items():
+        events.extend(_thread_metadata(pid, tid, name))
+    return events
+
+
+def _planned_events(records: list, stats: PipelineStats, config: ScheduleConfig) -> list:
+    """The schedule renderer's trace of the simulation (1 cost unit = 1 s), one copy per
+    data-parallel pipeline, moved onto each rank's planned track."""
+    planned = chrome_trace(stats.ideal, config, us_per_unit=_US)
+    events = []
+    for index, record in enumerate(records):
+        for event in planned["traceEvents"]:
+            if event["ph"] == "X" and event["pid"] == stats.pp_ranks[index]:
+                events.append(dict(event, pid=record.rank, tid=PLANNED_TID,
+                                   args=dict(event.get("args", {}), track="planned")))
+    return events
+
+
+def _measured_events(record: RankTimeline, stats: PipelineStats, config: ScheduleConfig, index: int) -> list:
+    """One event per compute action, with its busy time and the receive wait inside it."""
+    shift = stats.offsets[index] - stats.window[0]
+    busy = {id(span): (b, w) for span, b, w in compute_busy(record.spans)}
+    events = []
+    for span, action in match_actions(record, config, stats.pp_ranks[index]):
+        action = span_action(span, action)
+        b, w = busy[id(span)]
+        args = dict(action.to_dict(), track="measured", busy_ms=b * 1e3, recv_wait_ms=w * 1e3)
+        events.append({
+            "name": action.describe(), "cat": _CATEGORY.get(span.kind, str(span.kind)), "ph": "X",
+            "ts": (span.start + shift) * _US, "dur": (span.end - span.start) * _US,
+            "pid": record.rank, "tid": MEASURED_TID, "args": args,
+        })
+    return events
+
+
+def _wait_and_transfer_events(record: RankTimeline, shift: float) -> list:
+    """Waits, all-to-alls in flight (one lane per concurrent transfer) and the optimizer step."""
+    pid = record.rank
+    transfers = [span for span in record.spans if span.kind == A2A]
+    lanes = _lanes(transfers)
+    events = []
+    for lane in range(max(lanes, default=-1) + 1):
+        events.extend(_thread_metadata(pid, A2A_TID + lane, f"all-to-all in flight ({lane + 1})"))
+    lane_of = {id(span): lane for span, lane in zip(transfers, lanes)}
+    for span in record.spans:
+        if span.kind in _WAIT_KINDS:
+            tid, label = WAITS_TID, f"{span.kind} mb{span.microbatch}"
+            args = {"track": "waits", "microbatch": span.microbatch,
+                    ("stage" if span.kind == RECV_WAIT else "chunk"): span.chunk}
+        elif span.kind == A2A:
+            tid, label = A2A_TID + lane_of[id(span)], f"a2a mb{span.microbatch}"
+            args = {"track": "a2a", "microbatch": span.microbatch, "chunk": span.chunk}
+        elif span.kind == OPTIMIZER:
+            tid, label, args = MEASURED_TID, "optimizer", {"track": "measured"}
+        else:
+            continue
+        events.append({
+            "name": label, "cat": str(span.kind), "ph": "X", "ts": (span.start + shift) * _US,
+            "dur": (span.end - span.start) * _US, "pid": pid, "tid": tid, "args": args,
+        })
+    return events
+
+
 def export_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: PathLike,
                  step: Optional[int] = None, alignment: str = "auto", stats: Optional[PipelineStats] = None) -> dict:
     """Write :func:`merged_trace` as JSON to ``path`` (open it in https://ui.perfetto.dev or
@@ -179,14 +202,14 @@ def export_png(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: Path
                dpi: int = 110) -> Path:
     """Save the step as a timeline picture (format from the extension). Needs matplotlib, the
     ``plot`` extra (``pip install lightning_pp[plot]``): without it this raises ``ImportError``
-    saying so; a path that cannot be written raises ``OSError``. Two rows per rank, the plan (on a grey band) above the measurement; time in
-    milliseconds from the step's first action. In measured rows hatched white marks the part of
-    an action spent waiting for a neighbour's activation or gradient (``recv_wait``), red hatching
-    exposed all-to-all waits, and a grey bar the optimizer step."""
-    from lightning_pp.schedules.plot import action_colour, draw_actions, require_matplotlib
+    saying so; a path that cannot be written raises ``OSError``. Two rows per rank, the plan (on a
+    grey band) above the measurement; time in milliseconds from the step's first action. In
+    measured rows hatched white marks the part of an action spent waiting for a neighbour's
+    activation or gradient (``recv_wait``), red hatching exposed all-to-all waits, and a grey bar
+    the optimizer step."""
+    from lightning_pp.schedules.plot import draw_actions, require_matplotlib
 
     _, Figure, FigureCanvasAgg = require_matplotlib("export_png")
-    from matplotlib.patches import Patch
 
     records, stats = _prepare(spans_per_rank, config, alignment, stats)
     zero, ms = stats.window[0], 1e3
@@ -209,34 +232,34 @@ def export_png(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: Path
         ax.axhspan(planned_row - 0.5, planned_row + 0.5, color=(0.94, 0.94, 0.94), zorder=0)
         for _, action, start, end in stats.ideal.rank_events(stats.pp_ranks[index]):
             planned.append((planned_row, action, start * ms, end * ms))
-        offset = stats.offsets[index]
+        shift = stats.offsets[index] - zero
         for span, action in match_actions(record, config, stats.pp_ranks[index]):
-            measured.append((measured_row, span_action(span, action),
-                             (span.start + offset - zero) * ms, (span.end + offset - zero) * ms))
-        overlays = {}
-        for kind in (RECV_WAIT, A2A_WAIT, OPTIMIZER):
-            # Back-to-back waits (a header, then its tensors) are drawn as one patch.
-            intervals = merge_intervals([((s.start + offset - zero) * ms, (s.end + offset - zero) * ms)
-                                         for s in record.spans if s.kind == kind and s.end > s.start],
-                                        gap=right * 0.002)
-            overlays[kind] = [(start, end - start) for start, end in intervals]
-        y = measured_row - height / 2
-        if overlays[RECV_WAIT]:
-            ax.broken_barh(overlays[RECV_WAIT], (y, height), facecolors=(1, 1, 1, 0.7), edgecolor="grey",
-                           hatch="////", linewidth=0, zorder=3)
-        if overlays[A2A_WAIT]:
-            ax.broken_barh(overlays[A2A_WAIT], (y, height), facecolors=(1, 1, 1, 0.3), edgecolor="red",
-                           hatch="xx", linewidth=0, zorder=3)
-        if overlays[OPTIMIZER]:
-            ax.broken_barh(overlays[OPTIMIZER], (y, height), facecolors=(0.55, 0.55, 0.55), edgecolor="white",
-                           linewidth=0.4, zorder=2)
+            measured.append((measured_row, span_action(span, action), (span.start + shift) * ms, (span.end + shift) * ms))
+        _draw_overlays(ax, record, shift, measured_row - height / 2, height, right)
     draw_actions(ax, planned, config.microbatches, show_chunks, points_per_ms, height)
     draw_actions(ax, measured, config.microbatches, show_chunks, points_per_ms, height)
 
+    _label_axes(ax, records, config, stats, step, right)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+
+def _label_axes(ax, records: list, config: ScheduleConfig, stats: PipelineStats, step: Optional[int],
+                right: float) -> None:
+    """Row labels, title and legend of :func:`export_png`."""
+    from matplotlib.patches import Patch
+
+    from lightning_pp.schedules.plot import action_colour
+
+    n = len(records)
     ax.set_ylim(2 * n - 0.5, -0.5)
     ax.set_yticks(range(2 * n))
     labels = []
-    for index, record in enumerate(records):
+    for record in records:
         labels += [f"rank {record.rank} plan", f"rank {record.rank} measured"]
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_xlim(0, right)
@@ -260,11 +283,27 @@ def export_png(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: Path
         handles.append(Patch(facecolor=(0.55, 0.55, 0.55), label="optimizer step"))
     handles.append(Patch(facecolor=(0.94, 0.94, 0.94), label="plan (simulator)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    return path
+
+
+def _draw_overlays(ax, record: RankTimeline, shift: float, y: float, height: float, right: float) -> None:
+    """Receive waits (hatched white), exposed all-to-all waits (red hatching) and the optimizer
+    step (grey) over one measured row; back-to-back waits (a header, then its tensors) are drawn
+    as one patch."""
+    ms = 1e3
+    overlays = {}
+    for kind in (RECV_WAIT, A2A_WAIT, OPTIMIZER):
+        intervals = merge_intervals([((s.start + shift) * ms, (s.end + shift) * ms)
+                                     for s in record.spans if s.kind == kind and s.end > s.start], gap=right * 0.002)
+        overlays[kind] = [(start, end - start) for start, end in intervals]
+    if overlays[RECV_WAIT]:
+        ax.broken_barh(overlays[RECV_WAIT], (y, height), facecolors=(1, 1, 1, 0.7), edgecolor="grey",
+                       hatch="////", linewidth=0, zorder=3)
+    if overlays[A2A_WAIT]:
+        ax.broken_barh(overlays[A2A_WAIT], (y, height), facecolors=(1, 1, 1, 0.3), edgecolor="red",
+                       hatch="xx", linewidth=0, zorder=3)
+    if overlays[OPTIMIZER]:
+        ax.broken_barh(overlays[OPTIMIZER], (y, height), facecolors=(0.55, 0.55, 0.55), edgecolor="white",
+                       linewidth=0.4, zorder=2)
 
 
 def capture_step(executor, dirpath: Optional[PathLike] = None, step: Optional[int] = None, write_trace: bool = True,

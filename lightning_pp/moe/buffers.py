@@ -25,6 +25,7 @@ Counters: ``allocations`` (buffers created or grown), ``allocations_after_warmup
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,7 +38,9 @@ def symmetric_memory_available(device: torch.device) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        # importlib, not an import statement: ``import torch.distributed...`` here would make
+        # ``torch`` a local name of this function, unbound on the line above.
+        importlib.import_module("torch.distributed._symmetric_memory")
     except Exception:
         return False
     return True

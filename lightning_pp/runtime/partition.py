@@ -16,7 +16,6 @@ placeholder, so only the owned chunks' parameters and buffers stay in memory.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -25,10 +24,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pp.runtime.protocols import OwnsSchedulePlan, ProvidesScheduleNodes
+from lightning_pp.runtime.layout import Layout, balanced_layout, parse_layout_string, resolve_layout  # noqa: F401  (re-exported)
+from lightning_pp.schedules.actions import stage_owner, virtual_stage
 
 REQUIRED_METHODS = ("pipeline_layers", "pipeline_loss")
 
-Layout = Union[None, str, Sequence[int]]
 # Which pipeline layers recompute their forward in backward: all that can (True), none (False),
 # or the layers that are instances of the given classes (Lightning's FSDP uses the same form).
 CheckpointPolicy = Union[bool, Sequence[type]]
@@ -51,66 +51,6 @@ def default_pipeline_inputs(batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return batch[0]
     return batch
-
-
-def balanced_layout(num_layers: int, num_stages: int) -> list[int]:
-    """Layer counts per virtual stage, as even as possible; earlier stages take the remainder."""
-    if num_layers < num_stages:
-        raise ValueError(
-            f"the model has {num_layers} pipeline layers, too few for {num_stages} virtual stages "
-            f"(pipeline_parallel_size * virtual_pipeline_size): every stage needs at least one layer. "
-            f"Use pipeline_parallel_size * virtual_pipeline_size <= {num_layers}."
-        )
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if s < extra else 0) for s in range(num_stages)]
-
-
-_REPEAT = re.compile(r"\(([^()]*)\)\*(\d+)")
-_SYMBOL_REPEAT = re.compile(r"([A-Za-z])\*(\d+)")
-
-
-def parse_layout_string(layout: str) -> list[int]:
-    """Megatron-style layout: stages separated by ``|``, each letter one layer (``E`` embedding,
-    ``t`` block, ``L`` head...), ``x*k`` repeats a letter, ``(...)*k`` repeats a group (which may
-    contain ``|``). Example: ``"Et*2|(tt|)*2tL"`` -> ``[3, 2, 2, 2]``."""
-    text = layout.replace(" ", "").replace(",", "")
-    while True:
-        expanded = _REPEAT.sub(lambda m: m.group(1) * int(m.group(2)), text)
-        if expanded == text:
-            break
-        text = expanded
-    text = _SYMBOL_REPEAT.sub(lambda m: m.group(1) * int(m.group(2)), text)
-    if not re.fullmatch(r"[A-Za-z|]*", text):
-        raise ValueError(
-            f"layout={layout!r} is not a valid layout string: use letters for layers, '|' between "
-            f"stages, 'x*k' and '(...)*k' for repeats, e.g. 'Et*2|t*3|tL'."
-        )
-    return [len(stage) for stage in text.split("|")]
-
-
-def resolve_layout(layout: Layout, num_layers: int, num_stages: int) -> list[int]:
-    """Layer counts per virtual stage (stage order), validated against the model."""
-    if layout is None:
-        return balanced_layout(num_layers, num_stages)
-    counts = parse_layout_string(layout) if isinstance(layout, str) else [int(c) for c in layout]
-    if len(counts) != num_stages:
-        raise ValueError(
-            f"layout={layout!r} describes {len(counts)} stages, but the pipeline has {num_stages} "
-            f"virtual stages (pipeline_parallel_size * virtual_pipeline_size). Give one entry per "
-            f"virtual stage, e.g. {balanced_layout(num_layers, num_stages) if num_layers >= num_stages else '...'}."
-        )
-    if any(c < 1 for c in counts):
-        raise ValueError(
-            f"layout={layout!r} gives a stage {min(counts)} layers: every virtual stage needs at least "
-            f"one layer. Move a layer into it, or use fewer stages."
-        )
-    if sum(counts) != num_layers:
-        raise ValueError(
-            f"layout={layout!r} sums to {sum(counts)} layers, but pipeline_layers() returns "
-            f"{num_layers}. Make the counts sum to {num_layers}, e.g. "
-            f"{balanced_layout(num_layers, num_stages) if num_layers >= num_stages else '...'}."
-        )
-    return counts
 
 
 class NotOnThisStage(nn.Module):
@@ -218,49 +158,48 @@ def layer_list(module: nn.Module) -> list[nn.Module]:
                 f"{type(module).__name__}.pipeline_layers()[{i}] is a {type(layer).__name__}, not an "
                 f"nn.Module: wrap functions in an nn.Module so the pipeline can place and name them."
             )
-    if len({id(l) for l in layers}) != len(layers):
+    if len({id(layer) for layer in layers}) != len(layers):
         raise ValueError(f"{type(module).__name__}.pipeline_layers() lists the same module twice: list each layer once.")
     return layers
 
 
 def cut_model(module: nn.Module, pp: int, vp: int, pp_rank: int, layout: Layout = None,
-              layers: Optional[list[nn.Module]] = None) -> Partition:
+              layers: Optional[list[nn.Module]] = None, placement: str = "loop") -> Partition:
     """Cut ``module`` into ``pp * vp`` virtual stages and keep only ``pp_rank``'s chunks.
 
-    Virtual stage ``s`` lives on pipeline rank ``s % pp`` as local chunk ``s // pp``. Layers of other
-    ranks, and every module only they reach (a layer may be an adapter around modules kept
-    elsewhere in the tree), are replaced wherever the tree refers to them by
+    Virtual stage ``s`` lives where ``placement`` puts it (:func:`~lightning_pp.schedules.stage_owner`:
+    ``"loop"``, rank ``s % pp`` as local chunk ``s // pp``; ``"v"`` for the V-shaped schedules).
+    Layers of other ranks, and every module only they reach (a layer may be an adapter around
+    modules kept elsewhere in the tree), are replaced wherever the tree refers to them by
     :class:`NotOnThisStage`, which frees their parameters (unless an owned layer shares them, e.g.
     a tied embedding). Names stay the one-device names. A trainable parameter that no layer
     reaches is an error: no stage would train it.
     """
     check_protocol(module)
     layers = layer_list(module) if layers is None else layers
-    num_stages = pp * vp
-    counts = resolve_layout(layout, len(layers), num_stages)
+    counts = resolve_layout(layout, len(layers), pp * vp)
     layer_stage = [s for s, c in enumerate(counts) for _ in range(c)]
+    layer_rank = [stage_owner(s, pp, placement)[0] for s in layer_stage]
 
     # Global names, taken before anything is replaced, so every rank agrees on them.
     names: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     order = [names[id(p)] for p in module.parameters()]
-    param_stages: dict[int, set[int]] = {}
-    for index, layer in enumerate(layers):
-        for p in layer.parameters():
-            param_stages.setdefault(id(p), set()).add(layer_stage[index])
-    tied = []
-    for pid, stages in param_stages.items():
-        ranks = tuple(sorted({s % pp for s in stages}))
-        if len(ranks) > 1:
-            tied.append(TiedParameter(names.get(pid, "?"), ranks))
-    tied.sort(key=lambda t: t.name)
+    _check_layers(module, layers, names)
+    tied = _tied_parameters(layers, layer_rank, names)
 
-    layer_names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-    parents: dict[int, list[tuple[nn.Module, str]]] = {}
-    for parent in module.modules():
-        for child_name, child in parent.named_children():
-            parents.setdefault(id(child), []).append((parent, child_name))
+    chunks: list[StageChunk] = []
+    for chunk_id in range(vp):
+        stage = virtual_stage(pp_rank, chunk_id, pp, placement)
+        first = sum(counts[:stage])
+        chunks.append(StageChunk(stage, first, layers[first : first + counts[stage]]))
+    _remove_other_ranks(module, layers, layer_stage, [r == pp_rank for r in layer_rank])
+    return Partition(counts, layer_stage, chunks, tied, names, order)
+
+
+def _check_layers(module: nn.Module, layers: list[nn.Module], names: dict[int, str]) -> None:
+    """Every layer's parameters are the module's, and every trainable parameter is in a layer."""
     reached: set[int] = set()
     for index, layer in enumerate(layers):
         if layer is module:
@@ -284,30 +223,41 @@ def cut_model(module: nn.Module, pp: int, vp: int, pp_rank: int, layout: Layout 
             f"(requires_grad_(False)); frozen parameters outside the layers stay on every rank."
         )
 
-    chunks: list[StageChunk] = []
-    for chunk_id in range(vp):
-        stage = chunk_id * pp + pp_rank
-        first = sum(counts[:stage])
-        chunks.append(StageChunk(stage, first, layers[first : first + counts[stage]]))
-    # Remove, wherever the module tree refers to it, every module that only other ranks' layers
-    # reach: the layers themselves, and the modules they wrap or point into (a layer may live
-    # anywhere in the module, e.g. self.model.transformer.h[3], or be a small adapter around such
-    # modules), so no rank keeps an untrained copy of another rank's weights.
-    kept = {id(m) for i, layer in enumerate(layers) if layer_stage[i] % pp == pp_rank for m in layer.modules()}
+
+def _tied_parameters(layers: list[nn.Module], layer_rank: list[int], names: dict[int, str]) -> list[TiedParameter]:
+    """Parameters that layers on several pipeline ranks share (a tied embedding and head)."""
+    param_ranks: dict[int, set[int]] = {}
+    for index, layer in enumerate(layers):
+        for p in layer.parameters():
+            param_ranks.setdefault(id(p), set()).add(layer_rank[index])
+    tied = [TiedParameter(names.get(pid, "?"), tuple(sorted(ranks))) for pid, ranks in param_ranks.items()
+            if len(ranks) > 1]
+    return sorted(tied, key=lambda t: t.name)
+
+
+def _remove_other_ranks(module: nn.Module, layers: list[nn.Module], layer_stage: list[int], own: list[bool]) -> None:
+    """Remove, wherever the module tree refers to it, every module that only other ranks' layers
+    reach: the layers themselves, and the modules they wrap or point into (a layer may live
+    anywhere in the module, e.g. self.model.transformer.h[3], or be a small adapter around such
+    modules), so no rank keeps an untrained copy of another rank's weights."""
+    layer_names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    parents: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in module.modules():
+        for child_name, child in parent.named_children():
+            parents.setdefault(id(child), []).append((parent, child_name))
+    kept = {id(m) for i, layer in enumerate(layers) if own[i] for m in layer.modules()}
     removed: dict[int, tuple[nn.Module, int]] = {}
     for index, layer in enumerate(layers):
-        if layer_stage[index] % pp == pp_rank:
+        if own[index]:
             continue
         for sub in layer.modules():
             if id(sub) not in kept:
                 removed.setdefault(id(sub), (sub, index))
     for sub_id, (sub, index) in removed.items():
-        stage = layer_stage[index]
-        placeholder = NotOnThisStage(index, stage, layer_names.get(sub_id, type(sub).__name__))
+        placeholder = NotOnThisStage(index, layer_stage[index], layer_names.get(sub_id, type(sub).__name__))
         for parent, child_name in parents.get(sub_id, ()):
             if id(parent) not in removed:
                 setattr(parent, child_name, placeholder)
-    return Partition(counts, layer_stage, chunks, tied, names, order)
 
 
 class FrozenStage(nn.Module):

@@ -207,7 +207,7 @@ def load(path: Any, shards: dict[str, Any], layout: Optional[dict] = None) -> di
     recovered = _recoverable(path)
     if recovered is not None:
         warnings.warn(f"{path} is missing: a save was interrupted between its two renames; loading the "
-                      f"previous checkpoint from {recovered} (the next save to {path} restores it there).")
+                      f"previous checkpoint from {recovered} (the next save to {path} restores it there).", stacklevel=2)
         path = recovered
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(

@@ -110,8 +110,7 @@ class PipelineEngine:
 
     def last_stage_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's data-parallel slot."""
-        cfg = self.executor.config
-        return self.topology.global_rank((cfg.num_stages - 1) % cfg.pp)
+        return self.topology.global_rank(self.executor.config.last_stage_rank)
 
     def gather_logs(self) -> dict[str, tuple[float, dict]]:
         """The last stage's recorded logs, on every rank of the pipeline."""

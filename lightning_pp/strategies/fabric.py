@@ -213,7 +213,8 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         if isinstance(state, (nn.Module, Optimizer)) or state is None:
-            raise TypeError("FabricPipelineStrategy.load_checkpoint needs the state dict you saved, e.g. {'model': model, 'optimizer': opt}.")
+            raise TypeError("FabricPipelineStrategy.load_checkpoint needs the state dict you saved, "
+                            "e.g. {'model': model, 'optimizer': opt}.")
         module = self._find_module(state)
         if ckpt.find_checkpoint(path) is None:
             # A single file, e.g. saved by a one-device Fabric: {"model": state_dict, "optimizer":
