@@ -18,8 +18,8 @@ from lightning_pp.runtime.config import (
     BatchCheck,
     NonFinitePolicy,
     PipelineConfig,
-    check_batch_policy,
-    check_nonfinite_policy,
+    check_batch_policy,  # noqa: F401  (kept importable from here)
+    check_nonfinite_policy,  # noqa: F401
 )
 from lightning_pp.runtime.executor import PipelineExecutor, StepResult
 from lightning_pp.runtime.loss import normalise_loss
@@ -111,7 +111,8 @@ def build_pipeline(
     schedule_config = config.schedule_config
     for i in recomputed:
         layers[i]._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
-    partition = cut_model(module, schedule_config.pp, schedule_config.vp, topology.pp_rank, config.layout, layers=layers)
+    partition = cut_model(module, schedule_config.pp, schedule_config.vp, topology.pp_rank, config.layout, layers=layers,
+                          placement=schedule_config.placement)
     setup_expert_parallel(partition, topology, device)
     if has_meta_tensors(module):  # built on the meta device: only what stays here gets memory
         init_fn = getattr(module, "pipeline_init_weights", None)

@@ -52,7 +52,7 @@ from lightning_pp.runtime.stage import StageRunner, StepState
 from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
 from lightning_pp.runtime.waits import BoundedWait
-from lightning_pp.schedules import ScheduleConfig, config_for_batch, rank_actions
+from lightning_pp.schedules import WEIGHT_GRAD, ScheduleConfig, config_for_batch, rank_actions
 from lightning_pp.schedules.messages import send_order
 
 
@@ -64,6 +64,7 @@ class StepPlan:
     actions: list  # training actions, in order
     eval_actions: list  # forward-only actions, in order
     expected: dict  # forward_only -> {neighbour pipeline rank: its send order to this rank}
+    deferred: frozenset = frozenset()  # (microbatch, chunk) whose weight gradient is a W action
 
 
 @dataclass
@@ -132,13 +133,13 @@ class PipelineExecutor:
                                    self.timeout.total_seconds())
         self.watchdog = watchdog_for(self.board, topology.rank, topology.dims.world_size, watchdog)
         self.guard = StepGuard(self.position, self.board, self.diagnosis, self.watchdog, topology.describe,
-                               config.pp, self.pp_rank, on_abort=self._abort)
+                               config.stage_of, self.pp_rank, on_abort=self._abort)
         self._ref = weakref.ref(self)
         if self.watchdog is not None:
             self.watchdog.watch(self)
         # Combined 1F1B runs chunks through their schedule plans (runtime/plan.py, runtime/nodes.py)
         # so that an FB action overlaps one microbatch's forward with another's backward.
-        self.stage = StageRunner(partition, self.p2p, config.pp, self.pp_rank, self.rng, self.timeline,
+        self.stage = StageRunner(partition, self.p2p, config, self.pp_rank, self.rng, self.timeline,
                                  self.wait_collective, topology.describe, config.schedule == "combined_1f1b",
                                  loss_fn or module.pipeline_loss,
                                  inputs_fn or getattr(module, "pipeline_inputs", None) or default_pipeline_inputs,
@@ -171,16 +172,15 @@ class PipelineExecutor:
         """This rank's actions for ``config`` and the send orders of its neighbours (cached)."""
         plan = self._plans.get(config)
         if plan is None:
-            pp, rank = config.pp, self.pp_rank
-            neighbours = {(rank - 1) % pp, (rank + 1) % pp} - {rank}
-            plan = StepPlan(
-                config,
-                rank_actions(config, rank),
-                rank_actions(config, rank, forward_only=True),
-                {forward_only: {src: send_order(config, src, rank_actions(config, src, forward_only), rank)
-                                for src in neighbours}
-                 for forward_only in (False, True)},
-            )
+            rank = self.pp_rank
+            expected = {}
+            for forward_only in (False, True):  # every other rank that sends here, and its order
+                orders = {src: send_order(config, src, rank_actions(config, src, forward_only), rank)
+                          for src in range(config.pp) if src != rank}
+                expected[forward_only] = {src: order for src, order in orders.items() if order}
+            actions = rank_actions(config, rank)
+            deferred = frozenset((a.microbatch, a.chunk) for a in actions if a.kind == WEIGHT_GRAD)
+            plan = StepPlan(config, actions, rank_actions(config, rank, forward_only=True), expected, deferred)
             self._plans[config] = plan
         return plan
 
@@ -263,7 +263,7 @@ class PipelineExecutor:
         self.p2p.begin_step(_shapes_key(microbatches) if self.static_shapes else None, mode=not train)
         for src, order in plan.expected[not train].items():
             self.p2p.expect(src, order)
-        state = StepState.start(microbatches, train, compute_loss, collect, self.device)
+        state = StepState.start(microbatches, train, compute_loss, collect, self.device, plan.deferred)
         actions = plan.actions if train else plan.eval_actions
         if train:
             self.grad_sync.begin_step(actions)
@@ -277,8 +277,10 @@ class PipelineExecutor:
                     self.stage.forward_backward(state, fwd, bwd)
                 elif fwd is not None:
                     self.stage.forward(state, *fwd)
-                else:
+                elif bwd is not None:
                     self.stage.backward(state, *bwd)
+                else:  # W: the weight gradient of an earlier input-gradient-only B
+                    self.stage.weight(state, action.microbatch, action.chunk)
             if train:
                 self.grad_sync.after_action(index)
         self.position.action = None

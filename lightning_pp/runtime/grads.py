@@ -22,7 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_pp.runtime.partition import Partition, tie_groups_for
 from lightning_pp.runtime.topology import Topology
-from lightning_pp.schedules import Action
+from lightning_pp.schedules import WEIGHT_GRAD, Action
 
 
 def is_expert_parameter(param: torch.nn.Parameter) -> bool:
@@ -195,11 +195,14 @@ class GradientSync:
 
 
 def _chunk_finish(actions: list[Action]) -> dict[int, int]:
-    """Index of the last action whose backward touches each chunk (the last action for a chunk
-    with no backward in ``actions``)."""
+    """Index of the last action whose backward or weight gradient (``W``: zero-bubble schedules,
+    where a chunk's gradients are complete only after its last W) touches each chunk (the last
+    action for a chunk with neither in ``actions``)."""
     last = defaultdict(lambda: len(actions) - 1)
     for index, action in enumerate(actions):
         part = action.backward_part()
+        if part is None and action.kind == WEIGHT_GRAD:
+            part = (action.microbatch, action.chunk)
         if part is not None:
             last[part[1]] = index
     return last

@@ -26,13 +26,14 @@ from lightning_pp.runtime.failure import (
 
 class StepGuard:
     """Runs steps under the failure protocol. ``describe()`` names this rank; ``on_abort()``
-    drops the transfer and reduction state of a failed step; ``pp`` and ``pp_rank`` place an
-    action's virtual stage in messages."""
+    drops the transfer and reduction state of a failed step; ``stage_of(pp_rank, chunk)`` (the
+    schedule's :meth:`~lightning_pp.schedules.ScheduleConfig.stage_of`) places an action's virtual
+    stage in messages."""
 
     def __init__(self, position: Position, board: FailureBoard, diagnosis: Diagnosis, watchdog, describe: Callable[[], str],
-                 pp: int, pp_rank: int, on_abort: Callable[[], None]) -> None:
+                 stage_of: Callable[[int, int], int], pp_rank: int, on_abort: Callable[[], None]) -> None:
         self.position, self.board, self.diagnosis, self.watchdog = position, board, diagnosis, watchdog
-        self.describe, self.pp, self.pp_rank, self.on_abort = describe, pp, pp_rank, on_abort
+        self.describe, self.stage_of, self.pp_rank, self.on_abort = describe, stage_of, pp_rank, on_abort
         self.actions_started = False  # for where(): a failure before the first action is at the start
 
     def run(self, step: int, owner_ref, fn: Callable[[], Any]) -> Any:
@@ -69,8 +70,8 @@ class StepGuard:
                 moment = "end" if self.actions_started else "start"
                 return f"{self.describe()} at the {moment} of step {position.step}"
             return f"{self.describe()} outside the schedule"
-        part = action.forward_part() or action.backward_part()
-        stage = part[1] * self.pp + self.pp_rank
+        part = action.forward_part() or action.backward_part() or (action.microbatch, action.chunk)
+        stage = self.stage_of(self.pp_rank, part[1])
         return (f"{self.describe()} during {action.describe()} (microbatch {part[0]}, chunk {part[1]}, "
                 f"virtual stage {stage})")
 

@@ -25,6 +25,8 @@ from lightning_pp.runtime.p2p import PointToPoint
 from lightning_pp.runtime.partition import Partition
 from lightning_pp.runtime.rng import StageRNG
 from lightning_pp.runtime.timeline import Timeline
+from lightning_pp.runtime.weight_grad import backward_input
+from lightning_pp.schedules import ScheduleConfig
 from lightning_pp.schedules.messages import Message
 
 
@@ -49,14 +51,16 @@ class StepState:
     loss_sum: torch.Tensor
     count: torch.Tensor
     saved: dict = field(default_factory=dict)  # (microbatch, chunk) -> Stash
+    deferred: frozenset = frozenset()  # (microbatch, chunk) whose weight gradient is a later W action
+    weight_work: dict = field(default_factory=dict)  # (microbatch, chunk) -> WeightGrad, from B to its W
     local: dict = field(default_factory=dict)  # same-rank hand-offs: Message -> (tensors, as_tuple)
     outputs: list = field(default_factory=list)  # last stage, forward-only: per-microbatch outputs
 
     @classmethod
     def start(cls, microbatches: list, train: bool, compute_loss: bool, collect: bool,
-              device: torch.device) -> "StepState":
+              device: torch.device, deferred: frozenset = frozenset()) -> "StepState":
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        return cls(microbatches, train, compute_loss, collect, zero, zero.clone())
+        return cls(microbatches, train, compute_loss, collect, zero, zero.clone(), deferred=deferred)
 
 
 class StageRunner:
@@ -67,11 +71,11 @@ class StageRunner:
     record ``self.log`` calls). ``wait(work, what)`` is the executor's bounded collective wait,
     handed to the layers through the microbatch context."""
 
-    def __init__(self, partition: Partition, p2p: PointToPoint, pp: int, pp_rank: int, rng: StageRNG,
+    def __init__(self, partition: Partition, p2p: PointToPoint, config: ScheduleConfig, pp_rank: int, rng: StageRNG,
                  timeline: Timeline, wait: Callable[[Any, str], None], describe: Callable[[], str], use_plans: bool,
                  loss_fn: Callable, inputs_fn: Callable, predict_fn: Optional[Callable]) -> None:
         self.partition, self.p2p, self.rng, self.timeline = partition, p2p, rng, timeline
-        self.pp, self.pp_rank = pp, pp_rank
+        self.owner_of, self.pp_rank = config.owner_of, pp_rank  # where each virtual stage lives
         self.num_stages = len(partition.layout)
         self.wait, self.describe, self.use_plans = wait, describe, use_plans
         self.loss_fn, self.inputs_fn, self.predict_fn = loss_fn, inputs_fn, predict_fn
@@ -96,10 +100,22 @@ class StageRunner:
             return
         received, _, roots, grads = self._output_grads(state, microbatch, chunk_id)
         with self._context(state, microbatch, chunk_id):
-            if roots:
-                run_backward(roots, grads)
-            in_grads = tuple(t.grad for t in received)
+            if (microbatch, chunk_id) in state.deferred:  # zero-bubble: input gradient now, weights at W
+                needed, work = backward_input(roots or (), grads or (), received,
+                                              list(self.partition.chunks[chunk_id].parameters()))
+                state.weight_work[(microbatch, chunk_id)] = work
+                it = iter(needed)
+                in_grads = tuple(next(it, None) if t.requires_grad else None for t in received)
+            else:
+                if roots:
+                    run_backward(roots, grads)
+                in_grads = tuple(t.grad for t in received)
         self._finish_backward(state, microbatch, chunk_id, received, in_grads)
+
+    def weight(self, state: StepState, microbatch: int, chunk_id: int) -> None:
+        """The deferred weight gradient of a backward that ran as input-gradient only."""
+        with self._context(state, microbatch, chunk_id):
+            state.weight_work.pop((microbatch, chunk_id)).run()
 
     def forward_backward(self, state: StepState, f: tuple[int, int], b: tuple[int, int]) -> None:
         """Combined step: the forward of ``f`` and the backward of ``b``, their layers interleaved so
@@ -159,9 +175,10 @@ class StageRunner:
 
     # -- transfers ----------------------------------------------------------------------------
     def _deliver(self, state: StepState, stage: int, message: Message, tensors: tuple, as_tuple: bool) -> None:
-        dst = stage % self.pp
+        dst = self.owner_of(stage)[0]
         if dst == self.pp_rank:
-            # Same-rank hand-off (pp == 1 with several chunks): a fresh leaf, like a received tensor.
+            # Same-rank hand-off (pp == 1 with several chunks, the tip of a V): a fresh leaf, like a
+            # received tensor.
             state.local[message] = (tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors), as_tuple)
         elif message.direction == "F" and self.use_plans:
             with sending():  # combined 1F1B: forward sends from the comm stream
@@ -170,7 +187,7 @@ class StageRunner:
             self.p2p.send(dst, message, tensors, as_tuple)
 
     def _receive(self, state: StepState, stage: int, message: Message) -> tuple[tuple, bool]:
-        src = stage % self.pp
+        src = self.owner_of(stage)[0]
         if src == self.pp_rank:
             return state.local.pop(message)
         return self.p2p.recv(src, message)
@@ -216,7 +233,7 @@ class StageRunner:
         )
         self._deliver(state, stage + 1, Message("F", microbatch, stage + 1), tensors, as_tuple)
         if state.train:
-            if plan is None and (stage + 1) % self.pp != self.pp_rank:
+            if plan is None and self.owner_of(stage + 1)[0] != self.pp_rank:
                 release(tensors)
             state.saved[(microbatch, chunk_id)] = Stash(received, tensors, False, plan, None)
 
