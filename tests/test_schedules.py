@@ -19,6 +19,7 @@ from lightning_pp.schedules import (
     FORWARD,
     FORWARD_BACKWARD,
     SCHEDULES,
+    WEIGHT_GRAD,
     ScheduleConfig,
     all_rank_actions,
     make_config,
@@ -68,7 +69,13 @@ def expected_violations(schedule: str, pp: int, vp: int, microbatches: int, grou
         bad["virtual_pipeline_size"] = vp
     if schedule == "interleaved" and vp < 2:
         bad["virtual_pipeline_size"] = vp
-    interleaved = schedule == "interleaved" or (schedule == "combined_1f1b" and vp > 1)
+    # The V schedules (torch's ZBV / DualPipeV): exactly two chunks per rank; DualPipeV needs a
+    # microbatch per virtual stage (torch: "at least as many microbatches as stages").
+    if schedule in ("zbv", "dualpipev") and vp != 2:
+        bad["virtual_pipeline_size"] = vp
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        bad["num_microbatches"] = microbatches
+    interleaved = schedule == "interleaved" or (schedule in ("combined_1f1b", "zb1p") and vp > 1)
     if group is not None and not interleaved:
         bad["microbatch_group_size"] = group
     if interleaved:
@@ -179,10 +186,13 @@ def test_every_chunk_runs_forward_and_backward_exactly_once(cfg):
         assert Counter(forward_parts(actions)) == expected, rank
         assert Counter(backward_parts(actions)) == expected, rank
         kinds = {a.kind for a in actions}
-        if cfg.schedule == "combined_1f1b":
-            assert kinds <= {FORWARD, BACKWARD, FORWARD_BACKWARD}
-        else:
-            assert kinds <= {FORWARD, BACKWARD}
+        allowed = {FORWARD, BACKWARD}
+        if cfg.schedule in ("combined_1f1b", "dualpipev"):
+            allowed.add(FORWARD_BACKWARD)
+        if cfg.schedule in ("zb1p", "zbv", "dualpipev"):
+            allowed.add(WEIGHT_GRAD)
+            assert WEIGHT_GRAD in kinds, rank
+        assert kinds <= allowed, rank
 
 
 @PROPERTY_SETTINGS
@@ -214,7 +224,6 @@ def test_forward_only_order_is_the_training_forward_order(cfg):
 @given(valid_configs())
 def test_chunk_order_is_respected_across_ranks_in_simulation(cfg):
     result = simulate(cfg)  # finishing at all is the cross-rank deadlock check
-    pp = cfg.pp
     last_stage = cfg.num_stages - 1
     f_time = {}
     b_time = {}
@@ -225,9 +234,9 @@ def test_chunk_order_is_respected_across_ranks_in_simulation(cfg):
         f = action.forward_part()
         b = action.backward_part()
         if f is not None:
-            f_time[(f[0], virtual_stage(rank, f[1], pp))] = (start, end)
+            f_time[(f[0], cfg.stage_of(rank, f[1]))] = (start, end)
         if b is not None:
-            b_time[(b[0], virtual_stage(rank, b[1], pp))] = (start, end)
+            b_time[(b[0], cfg.stage_of(rank, b[1]))] = (start, end)
     assert len(f_time) == len(b_time) == cfg.microbatches * cfg.num_stages
     for (mb, stage), (start, _) in f_time.items():
         if stage > 0:

@@ -12,6 +12,8 @@ from lightning_pp.schedules.actions import (
     WEIGHT_GRAD,
     Action,
     ActionKind,
+    check_actions,
+    split_backwards,
     stage_owner,
     virtual_stage,
 )
@@ -21,6 +23,9 @@ from lightning_pp.schedules.render import ascii_timeline, chrome_trace, stats_ta
 from lightning_pp.schedules.simulator import SimulationResult, simulate
 from lightning_pp.schedules.tables import (
     SCHEDULES,
+    FUSED_SCHEDULES,
+    V_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
     ScheduleConfig,
     all_rank_actions,
     config_for_batch,
@@ -40,7 +45,12 @@ __all__ = [
     "FORWARD_BACKWARD",
     "WEIGHT_GRAD",
     "SCHEDULES",
+    "FUSED_SCHEDULES",
+    "V_SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
     "ScheduleConfig",
+    "check_actions",
+    "split_backwards",
     "all_rank_actions",
     "config_for_batch",
     "allreduce_time",

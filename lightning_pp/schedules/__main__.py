@@ -3,6 +3,7 @@
     python -m lightning_pp.schedules --pp 4 --vp 2 --microbatches 8 --schedule interleaved
     python -m lightning_pp.schedules --pp 4 --format json
     python -m lightning_pp.schedules --pp 8 --plot timeline.png --trace trace.json
+    python -m lightning_pp.schedules --pp 4 --schedule zbv --microbatches 8
 
 Invalid configurations print the validation message and exit with status 2.
 """
@@ -20,7 +21,7 @@ from lightning_pp.schedules.costs import CostModel
 from lightning_pp.schedules.plot import plot_timeline
 from lightning_pp.schedules.render import ascii_timeline, chrome_trace, stats_table
 from lightning_pp.schedules.simulator import simulate
-from lightning_pp.schedules.tables import SCHEDULES, make_config
+from lightning_pp.schedules.tables import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, make_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default: 1f1b)")
     parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (ranks)")
-    parser.add_argument("--vp", type=int, default=1, help="virtual pipeline size: chunks per rank (default: 1)")
+    parser.add_argument(
+        "--vp", type=int, default=None,
+        help=f"virtual pipeline size: chunks per rank (default: 2 for {', '.join(V_SCHEDULES)}, else 1)",
+    )
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: 2 * pp)")
     parser.add_argument("--group-size", type=int, default=None, help="interleaved microbatch group size (default: pp)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
@@ -40,8 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     costs = parser.add_argument_group("cost model (per microbatch and chunk)")
     costs.add_argument("--forward", type=float, default=1.0, help="forward compute time (default: 1)")
-    costs.add_argument("--backward", type=float, default=2.0, help="backward compute time (default: 2)")
-    costs.add_argument("--weight-grad", type=float, default=0.0, help="weight-gradient time added to backward")
+    costs.add_argument(
+        "--backward", type=float, default=None,
+        help="backward compute time, input gradient only where a W is split off (default: 2; 1 for "
+        f"{', '.join(ZERO_BUBBLE_SCHEDULES)})",
+    )
+    costs.add_argument(
+        "--weight-grad", type=float, default=None,
+        help="weight-gradient time: part of every full backward, the cost of each W (default: 0; 1 for "
+        f"{', '.join(ZERO_BUBBLE_SCHEDULES)}, so that B + W = 2 either way)",
+    )
     costs.add_argument("--a2a-forward", type=float, default=0.0, help="expert all-to-all time in each forward")
     costs.add_argument("--a2a-backward", type=float, default=0.0, help="expert all-to-all time in each backward")
     costs.add_argument("--p2p-latency", type=float, default=0.0, help="stage-boundary message latency (alpha)")
@@ -60,6 +72,9 @@ def _json_report(cfg, result) -> dict:
         entry = action.to_dict()
         if "microbatch" not in entry:  # FB: give the common keys too (forward half), for uniform readers
             entry = {"kind": entry["kind"], "microbatch": action.microbatch, "chunk": action.chunk, **entry}
+        entry["stage"] = cfg.stage_of(rank, action.chunk)
+        if action.b_chunk is not None:
+            entry["b_stage"] = cfg.stage_of(rank, action.b_chunk)
         entry["start"] = start
         entry["end"] = end
         ranks[rank]["actions"].append(entry)
@@ -81,11 +96,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cfg = make_config(args.schedule, args.pp, args.vp, args.microbatches, args.group_size)
+        vp = args.vp if args.vp is not None else (2 if args.schedule in V_SCHEDULES else 1)
+        cfg = make_config(args.schedule, args.pp, vp, args.microbatches, args.group_size)
+        split = cfg.schedule in ZERO_BUBBLE_SCHEDULES
         costs = CostModel(
             forward=args.forward,
-            backward=args.backward,
-            weight_grad=args.weight_grad,
+            backward=args.backward if args.backward is not None else (1.0 if split else 2.0),
+            weight_grad=args.weight_grad if args.weight_grad is not None else (1.0 if split else 0.0),
             a2a_forward=args.a2a_forward,
             a2a_backward=args.a2a_backward,
             p2p_latency=args.p2p_latency,
@@ -110,6 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(
                 f"schedule={cfg.schedule} pp={cfg.pp} vp={cfg.vp} microbatches={cfg.microbatches}"
                 + (f" group_size={cfg.group_size}" if cfg.is_interleaved else "")
+                + (f" placement=v (chunk 0 of rank r is stage r, chunk 1 is stage {2 * cfg.pp - 1} - r)"
+                   if cfg.placement == "v" else "")
             )
             print(timeline)
             print()

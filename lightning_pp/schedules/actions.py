@@ -5,9 +5,25 @@ microbatch through one of the rank's model chunks, a combined forward-and-backwa
 which the forward of one microbatch is overlapped with the backward of another, or a deferred
 weight gradient (``W``). Its kind is an :class:`ActionKind`.
 
-Chunks are *local* ids ``0..vp-1``. Local chunk ``c`` on pipeline rank ``r`` is virtual stage
-``c * pp + r`` (Megatron's interleaved placement), so with ``vp == 1`` the virtual stage is the
-rank itself.
+Chunks are *local* ids ``0..vp-1``. Which virtual stage local chunk ``c`` of pipeline rank ``r``
+is depends on the schedule's placement (:func:`virtual_stage`): ``c * pp + r`` for the loop
+placement of most schedules (Megatron's interleaved placement; with ``vp == 1`` the virtual stage
+is the rank itself), a V for the two-chunk V schedules. Code that needs a stage asks the
+configuration (``cfg.stage_of(rank, chunk)``, ``cfg.owner_of(stage)``) rather than computing it.
+
+Split backwards (the zero-bubble schedules). A table may split the backward of a (microbatch,
+chunk) into its input gradient and its weight gradient. The rule, per rank:
+
+* If the rank's list holds a ``W`` for (microbatch, chunk), that rank's ``B`` for the same
+  (microbatch, chunk) -- or the backward half of an ``FB`` -- computes **only the input gradient**
+  (what the previous stage waits for), and it comes **before** the ``W``. The ``W`` computes the
+  weight gradient from what the ``B`` left behind. Each such ``B`` has **exactly one** ``W``.
+* If there is no ``W`` for (microbatch, chunk), its ``B`` is the **full** backward, as in every
+  schedule without ``W`` actions.
+
+The activations of a split (microbatch, chunk) stay alive until its ``W`` (the simulator counts
+them in flight until then). :func:`split_backwards` lists a rank's split pairs and
+:func:`check_actions` enforces the rule.
 """
 
 from __future__ import annotations
@@ -117,3 +133,60 @@ def stage_owner(stage: int, pp: int, placement: str = "loop") -> tuple[int, int]
     if placement == "v":
         return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
     return stage % pp, stage // pp
+
+
+def split_backwards(actions) -> set:
+    """The (microbatch, chunk) pairs whose backward is split in one rank's list ``actions``: those
+    that have a ``W``. Their ``B`` (or ``FB`` backward half) computes only the input gradient."""
+    return {(action[1], action[2]) for action in actions if action[0] == WEIGHT_GRAD}
+
+
+def _check_ids(cfg, rank: int, action) -> None:
+    kind = action[0]
+    if kind not in KINDS:
+        raise ValueError(f"rank {rank}: unknown action kind {kind!r} in {action!r}.")
+    halves = [(action[1], action[2])]
+    if kind == FORWARD_BACKWARD:
+        halves.append((action[3], action[4]))
+    for microbatch, chunk in halves:
+        if not (isinstance(microbatch, int) and 0 <= microbatch < cfg.microbatches):
+            raise ValueError(
+                f"rank {rank}: microbatch={microbatch!r} in {action!r} is out of range "
+                f"for num_microbatches={cfg.microbatches}."
+            )
+        if not (isinstance(chunk, int) and 0 <= chunk < cfg.vp):
+            raise ValueError(f"rank {rank}: chunk={chunk!r} in {action!r} is out of range for vp={cfg.vp}.")
+
+
+def check_actions(cfg, actions) -> None:
+    """Reject per-rank tables that do not fit ``cfg`` (a :class:`~lightning_pp.schedules.tables.
+    ScheduleConfig`): a wrong number of ranks, unknown kinds, ids out of range, or a ``W`` that
+    breaks the split-backward rule (no earlier ``B`` of its (microbatch, chunk) on that rank, or a
+    second ``W`` for it). Order across ranks is not checked here: the simulator finds deadlocks."""
+    if len(actions) != cfg.pp:
+        raise ValueError(f"actions holds {len(actions)} per-rank lists but pp={cfg.pp}: give one list per rank.")
+    for rank, rank_list in enumerate(actions):
+        backwarded = set()
+        weighted = set()
+        for position, action in enumerate(rank_list):
+            _check_ids(cfg, rank, action)
+            kind = action[0]
+            if kind == BACKWARD:
+                backwarded.add((action[1], action[2]))
+            elif kind == FORWARD_BACKWARD:
+                backwarded.add((action[3], action[4]))
+            elif kind == WEIGHT_GRAD:
+                pair = (action[1], action[2])
+                where = f"rank {rank}, action #{position} W{pair[0]}.{pair[1]}"
+                if pair in weighted:
+                    raise ValueError(
+                        f"{where}: a second W for microbatch {pair[0]}, chunk {pair[1]}. A split "
+                        f"backward has exactly one W: remove the extra one."
+                    )
+                if pair not in backwarded:
+                    raise ValueError(
+                        f"{where}: no B for microbatch {pair[0]}, chunk {pair[1]} before it on this "
+                        f"rank. A W computes the weight gradient its input-gradient B left behind: "
+                        f"put it after that B."
+                    )
+                weighted.add(pair)

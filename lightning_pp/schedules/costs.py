@@ -20,8 +20,9 @@ class CostModel:
     Compute:
 
     * ``forward`` / ``backward``: compute time of one F / one B.
-    * ``weight_grad``: weight-gradient time. Added to every backward unless the tables contain
-      explicit ``W`` actions, in which case each ``W`` costs this much instead.
+    * ``weight_grad``: weight-gradient time. Part of every full backward; a split backward (one
+      whose (microbatch, chunk) has a ``W`` on its rank) computes only the input gradient and
+      costs ``backward``, and its ``W`` costs ``weight_grad``.
 
     Expert-parallel all-to-all (MoE dispatch + combine), exposed inside each action:
 
@@ -34,7 +35,8 @@ class CostModel:
     Pipeline point-to-point, per stage-boundary message (activation forward, gradient backward):
 
     * ``p2p_latency`` (alpha, seconds) + ``activation_bytes / p2p_bandwidth``. Hand-offs between
-      two chunks on the same rank (only possible with ``pp == 1``) cost nothing.
+      two chunks on the same rank (any table with ``pp == 1``, and the turn of a V on the last
+      rank) cost nothing.
 
     Data-parallel gradient all-reduce, run by each rank after its last action:
 

@@ -5,13 +5,19 @@ activations *into* virtual stage ``s``, ``("B", mb, s)`` carries the gradient *i
 virtual stage ``s``. The runtime posts its receives in the order the peer sends, which this module
 derives from the peer's action list, so every backend (including ones that match point-to-point
 messages in FIFO order and ignore tags) pairs each message with the right receive.
+
+Stages follow the schedule's placement (``cfg.stage_of`` / ``cfg.owner_of``). Where two adjacent
+stages live on the same rank (any table with ``pp == 1``, and the turn of a V: stage ``pp - 1`` to
+``pp`` on the last rank), the "message" is a local hand-off: its destination is the sending rank
+itself, and :func:`send_order` towards another rank never lists it. A split backward (``B``
+followed by a ``W``) sends its input gradient when the ``B`` runs; a ``W`` sends nothing.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from lightning_pp.schedules.actions import Action, stage_owner, virtual_stage
+from lightning_pp.schedules.actions import Action
 from lightning_pp.schedules.tables import ScheduleConfig
 
 
@@ -26,19 +32,21 @@ class Message(NamedTuple):
 
 
 def forward_message(cfg: ScheduleConfig, rank: int, microbatch: int, chunk: int) -> Optional[tuple[int, Message]]:
-    """(destination rank, message) produced by a forward of ``chunk``, or None on the last stage."""
-    stage = virtual_stage(rank, chunk, cfg.pp)
+    """(destination rank, message) produced by a forward of ``chunk``, or None on the last stage.
+    The destination is ``rank`` itself for a local hand-off."""
+    stage = cfg.stage_of(rank, chunk)
     if stage + 1 >= cfg.num_stages:
         return None
-    return stage_owner(stage + 1, cfg.pp)[0], Message("F", microbatch, stage + 1)
+    return cfg.owner_of(stage + 1)[0], Message("F", microbatch, stage + 1)
 
 
 def backward_message(cfg: ScheduleConfig, rank: int, microbatch: int, chunk: int) -> Optional[tuple[int, Message]]:
-    """(destination rank, message) produced by a backward of ``chunk``, or None on the first stage."""
-    stage = virtual_stage(rank, chunk, cfg.pp)
+    """(destination rank, message) produced by a backward (the input gradient) of ``chunk``, or
+    None on the first stage. The destination is ``rank`` itself for a local hand-off."""
+    stage = cfg.stage_of(rank, chunk)
     if stage == 0:
         return None
-    return stage_owner(stage - 1, cfg.pp)[0], Message("B", microbatch, stage - 1)
+    return cfg.owner_of(stage - 1)[0], Message("B", microbatch, stage - 1)
 
 
 def action_sends(cfg: ScheduleConfig, rank: int, action: Action) -> list[tuple[int, Message]]:
@@ -58,5 +66,6 @@ def action_sends(cfg: ScheduleConfig, rank: int, action: Action) -> list[tuple[i
 
 
 def send_order(cfg: ScheduleConfig, rank: int, actions: list[Action], dst: int) -> list[Message]:
-    """Every message ``rank`` sends to ``dst`` (a different rank) in one step, in order."""
+    """Every message ``rank`` sends to ``dst`` (a different rank) in one step, in order. With
+    ``dst == rank`` it lists the local hand-offs instead."""
     return [msg for action in actions for to, msg in action_sends(cfg, rank, action) if to == dst]

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import functools
 
-from lightning_pp.schedules.actions import BACKWARD, FORWARD, FORWARD_BACKWARD
+from lightning_pp.schedules.actions import BACKWARD, FORWARD, FORWARD_BACKWARD, WEIGHT_GRAD
 from lightning_pp.schedules.render import action_label, format_time
 from lightning_pp.schedules.simulator import SimulationResult
 from lightning_pp.schedules.tables import ScheduleConfig
+
+
+#: Colour of weight-gradient (``W``) bars: grey, whatever the microbatch.
+WEIGHT_GRAD_COLOUR = (0.6, 0.6, 0.6)
 
 
 def _mix(rgb, other, weight: float) -> tuple:
@@ -71,7 +75,7 @@ def draw_actions(ax, events, microbatches: int, show_chunks: bool, points_per_un
             colour = action_colour(action.microbatch, microbatches, action.kind == BACKWARD)
             bars.setdefault((row, "full"), []).append((span, colour))
         else:
-            bars.setdefault((row, "full"), []).append((span, (0.6, 0.6, 0.6)))
+            bars.setdefault((row, "full"), []).append((span, WEIGHT_GRAD_COLOUR))
         labels.append((row, action, start, end))
 
     for (row, part), items in bars.items():
@@ -98,7 +102,8 @@ def plot_timeline(result: SimulationResult, cfg: ScheduleConfig, path) -> None:
     """Save the classic pipeline diagram to ``path`` (format from the extension, e.g. ``.png``).
 
     Rows are ranks (rank 0 on top), one colour per microbatch, forwards lighter and backwards
-    darker; a combined ``FB`` action is split horizontally, its forward half on top. Uses the Agg
+    darker; a combined ``FB`` action is split horizontally, its forward half on top, and a
+    weight-gradient ``W`` is grey. With the V placement the title says so. Uses the Agg
     canvas directly, so it never touches pyplot's global state or the user's backend.
     """
     _, Figure, FigureCanvasAgg = require_matplotlib("plot_timeline")
@@ -125,14 +130,19 @@ def plot_timeline(result: SimulationResult, cfg: ScheduleConfig, path) -> None:
     ax.set_xlim(0, makespan)
     ax.set_xlabel("time (cost-model units)")
     ax.set_title(
-        f"{cfg.schedule}  pp={cfg.pp} vp={cfg.vp} microbatches={cfg.microbatches}  "
+        f"{cfg.schedule}  pp={cfg.pp} vp={cfg.vp} microbatches={cfg.microbatches}"
+        + ("  (V placement)" if cfg.placement == "v" else "")
+        + "  "
         f"bubble {result.bubble_fraction:.1%}  makespan {format_time(result.makespan)}"
     )
+    handles = [
+        Patch(facecolor=action_colour(0, cfg.microbatches, False), label="forward (lighter)"),
+        Patch(facecolor=action_colour(0, cfg.microbatches, True), label="backward (darker)"),
+    ]
+    if any(action.kind == WEIGHT_GRAD for _, action, _, _ in result.events):
+        handles.append(Patch(facecolor=WEIGHT_GRAD_COLOUR, label="weight grad W"))
     ax.legend(
-        handles=[
-            Patch(facecolor=action_colour(0, cfg.microbatches, False), label="forward (lighter)"),
-            Patch(facecolor=action_colour(0, cfg.microbatches, True), label="backward (darker)"),
-        ],
+        handles=handles,
         loc="upper left",
         bbox_to_anchor=(1.0, 1.0),
         fontsize=7,

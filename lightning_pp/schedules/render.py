@@ -210,17 +210,18 @@ def stats_table(result: SimulationResult) -> str:
     return "\n".join(lines)
 
 
-def _action_args(action: Action, pp: int, rank: int) -> dict:
+def _action_args(action: Action, cfg: ScheduleConfig, rank: int) -> dict:
+    """Trace arguments of one action; stages follow the schedule's placement (loop or V)."""
     if action.kind == FORWARD_BACKWARD:
         return {
             "f_microbatch": action.microbatch,
             "f_chunk": action.chunk,
-            "f_stage": action.chunk * pp + rank,
+            "f_stage": cfg.stage_of(rank, action.chunk),
             "b_microbatch": action.b_microbatch,
             "b_chunk": action.b_chunk,
-            "b_stage": action.b_chunk * pp + rank,
+            "b_stage": cfg.stage_of(rank, action.b_chunk),
         }
-    return {"microbatch": action.microbatch, "chunk": action.chunk, "stage": action.chunk * pp + rank}
+    return {"microbatch": action.microbatch, "chunk": action.chunk, "stage": cfg.stage_of(rank, action.chunk)}
 
 
 _CATEGORY = {FORWARD: "forward", BACKWARD: "backward", FORWARD_BACKWARD: "forward_backward", WEIGHT_GRAD: "weight_grad"}
@@ -248,7 +249,7 @@ def chrome_trace(result: SimulationResult, cfg: ScheduleConfig, us_per_unit: flo
                 "dur": (end - start) * us_per_unit,
                 "pid": rank,
                 "tid": 0,
-                "args": _action_args(action, cfg.pp, rank),
+                "args": _action_args(action, cfg, rank),
             }
         )
     if result.allreduce_time > 0:
@@ -274,6 +275,7 @@ def chrome_trace(result: SimulationResult, cfg: ScheduleConfig, us_per_unit: flo
             "pp": cfg.pp,
             "vp": cfg.vp,
             "microbatches": cfg.microbatches,
+            "placement": cfg.placement,
             "bubble_fraction": result.bubble_fraction,
             "makespan": result.makespan,
             "us_per_unit": us_per_unit,

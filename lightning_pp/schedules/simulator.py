@@ -2,15 +2,22 @@
 
 The simulator answers "what would this schedule cost?" without any process group. Every rank
 runs its actions strictly in list order (exactly what the runtime does), and an action starts as
-soon as the rank is free *and* its inputs have arrived:
+soon as the rank is free *and* its inputs have arrived (stages are the configuration's virtual
+stages, ``cfg.stage_of(rank, chunk)``, so the loop and the V placement both work):
 
-* ``F(mb, s)`` needs ``F(mb, s - 1)`` finished, plus the stage-boundary transfer time when the
-  previous virtual stage lives on another rank (virtual stage ``s = chunk * pp + rank``).
+* ``F(mb, s)`` needs ``F(mb, s - 1)`` finished, plus the stage-boundary transfer time when stage
+  ``s - 1`` lives on another rank (a hand-off between two chunks of one rank is free).
 * ``B(mb, s)`` needs this rank's own ``F(mb, s)`` and the gradient from ``B(mb, s + 1)`` plus the
   transfer time; the last stage only needs its own forward (the loss is computed locally).
 * ``FB`` (combined 1F1B) needs both its forward input and its backward gradient; both outputs are
   available when the combined action ends.
 * ``W(mb, s)`` (deferred weight gradient) needs this rank's ``B(mb, s)``.
+
+A ``B`` whose (microbatch, chunk) has a ``W`` on its rank is an input-gradient backward (see
+:mod:`lightning_pp.schedules.actions`): it costs ``backward`` and its ``W`` costs
+``weight_grad``; every other ``B`` is a full backward and costs ``backward + weight_grad``.
+In-flight activations (``peak_inflight``) count a (microbatch, chunk) from its forward until its
+last backward action: the ``W`` if it has one, else the ``B``.
 
 Because there is no contention other than "one action at a time per rank", the schedule is a DAG
 and every start time is a longest path. The simulator therefore does not need a time-ordered event
@@ -26,18 +33,16 @@ chunk) action and unit-free. :class:`SimulationResult` holds what was found.
 from __future__ import annotations
 
 import gc
-from collections import Counter
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Optional, Sequence
 
 from lightning_pp.schedules.actions import (
     BACKWARD,
     FORWARD,
     FORWARD_BACKWARD,
-    KINDS,
     WEIGHT_GRAD,
     Action,
+    check_actions,
 )
 from lightning_pp.schedules.costs import CostModel, allreduce_time
 from lightning_pp.schedules.tables import ScheduleConfig, all_rank_actions
@@ -93,28 +98,6 @@ class SimulationResult:
         return out
 
 
-def _check_actions(cfg: ScheduleConfig, actions: Sequence[Sequence[Action]]) -> None:
-    """Reject hand-made tables the simulator could misread (wrong rank count, ids out of range)."""
-    if len(actions) != cfg.pp:
-        raise ValueError(f"actions holds {len(actions)} per-rank lists but pp={cfg.pp}: give one list per rank.")
-    for rank, rank_list in enumerate(actions):
-        for action in rank_list:
-            kind = action[0]
-            if kind not in KINDS:
-                raise ValueError(f"rank {rank}: unknown action kind {kind!r} in {action!r}.")
-            halves = [(action[1], action[2])]
-            if kind == FORWARD_BACKWARD:
-                halves.append((action[3], action[4]))
-            for microbatch, chunk in halves:
-                if not (isinstance(microbatch, int) and 0 <= microbatch < cfg.microbatches):
-                    raise ValueError(
-                        f"rank {rank}: microbatch={microbatch!r} in {action!r} is out of range "
-                        f"for num_microbatches={cfg.microbatches}."
-                    )
-                if not (isinstance(chunk, int) and 0 <= chunk < cfg.vp):
-                    raise ValueError(f"rank {rank}: chunk={chunk!r} in {action!r} is out of range for vp={cfg.vp}.")
-
-
 def simulate(
     cfg: ScheduleConfig,
     costs: CostModel = CostModel(),
@@ -134,213 +117,250 @@ def simulate(
         if actions is None:
             actions = all_rank_actions(cfg)
         else:
-            _check_actions(cfg, actions)
-        return _simulate(cfg, costs, actions)
+            check_actions(cfg, actions)
+        replay = _Replay(cfg, costs, actions)
+        replay.run()
+        return replay.result(costs)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _simulate(cfg: ScheduleConfig, costs: CostModel, actions: Sequence[Sequence[Action]]) -> SimulationResult:
-    pp, vp, m = cfg.pp, cfg.vp, cfg.microbatches
-    num_stages = pp * vp
-    last_stage = num_stages - 1
+class _Replay:
+    """One simulation in progress: per-stage input times, per-rank progress, and the placement rules.
 
-    kind_of = itemgetter(0)
-    has_w = any(WEIGHT_GRAD in map(kind_of, rank_list) for rank_list in actions)
-    backward_compute = costs.backward + (0.0 if has_w else costs.weight_grad)
-    dur_f = costs.forward + costs.a2a_forward
-    dur_b = backward_compute + costs.a2a_backward
-    fb_compute = costs.forward + backward_compute
-    fb_comm = costs.a2a_forward + costs.a2a_backward
-    dur_fb = max(fb_compute, fb_comm)
-    dur_w = costs.weight_grad
-    exp_f, exp_b, exp_fb = costs.a2a_forward, costs.a2a_backward, max(0.0, fb_comm - fb_compute)
-    # Adjacent virtual stages live on adjacent ranks, so every hand-off crosses ranks unless pp == 1.
-    hop = costs.p2p_time() if pp > 1 else 0.0
+    Times of F / B of (microbatch, stage) live at index ``stage * m + microbatch``; -1 = not placed
+    yet. A parked rank waits for exactly one input: key ``idx >= 0`` is "F(idx) done", ``~idx`` is
+    "B(idx) done", and ``size`` is no key at all (an int sentinel: int == int compares faster than
+    int == None).
+    """
 
-    # End time of F / B of (microbatch, stage) at index stage * m + microbatch; -1 = not placed yet.
-    size = num_stages * m
-    f_end = [-1.0] * size
-    b_end = [-1.0] * size
-    # A parked rank waits for exactly one input: key idx >= 0 is "F(idx) done", ~idx is "B(idx) done".
-    # ``size`` is no key at all (int sentinel: int == int compares faster than int == None).
-    not_waiting = size
-    waiting = [not_waiting] * pp
-    next_index = [0] * pp
-    clock = [0.0] * pp
-    inflight = [0] * pp
-    peak = [0] * pp
-    per_rank_events: list = [[] for _ in range(pp)]
-    ready = list(range(pp - 1, -1, -1))
-    F, B, FB, W = FORWARD, BACKWARD, FORWARD_BACKWARD, WEIGHT_GRAD  # locals: faster than globals
+    def __init__(self, cfg: ScheduleConfig, costs: CostModel, actions: Sequence[Sequence[Action]]) -> None:
+        pp, m = cfg.pp, cfg.microbatches
+        self.cfg, self.actions, self.m = cfg, actions, m
+        self.last_stage = cfg.num_stages - 1
+        self._layout(cfg, costs.p2p_time())
+        self._durations(costs)
+        size = cfg.num_stages * m
+        self.f_end = [-1.0] * size
+        self.b_end = [-1.0] * size
+        # 1 where the backward of (microbatch, stage) is split (its rank has a W for it), else 0.
+        self.split = bytearray(size)
+        for r, rank_list in enumerate(actions):
+            for action in rank_list:
+                if action[0] == WEIGHT_GRAD:
+                    self.split[self.stage_of[r][action[2]] * m + action[1]] = 1
+        self.not_waiting = size
+        self.waiting = [size] * pp
+        self.next_index = [0] * pp
+        self.clock = [0.0] * pp
+        self.inflight = [0] * pp
+        self.peak = [0] * pp
+        self.busy = [0.0] * pp
+        self.exposed = [0.0] * pp
+        self.events: list = [[] for _ in range(pp)]
+        self.ready = list(range(pp - 1, -1, -1))
 
-    while ready:
-        r = ready.pop()
-        rank_list = actions[r]
-        n = len(rank_list)
-        i = next_index[r]
-        t = clock[r]
-        cur, pk = inflight[r], peak[r]
-        emit = per_rank_events[r].append
-        next_rank = r + 1 if r + 1 < pp else 0
-        prev_rank = r - 1 if r > 0 else pp - 1
-        while i < n:
-            action = rank_list[i]
-            kind = action[0]
-            if kind == F:
-                stage = action[2] * pp + r
-                idx = stage * m + action[1]
-                start = t
-                if stage:
-                    arrival = f_end[idx - m]
-                    if arrival < 0:
-                        waiting[r] = idx - m
-                        break
-                    arrival += hop
-                    if arrival > start:
-                        start = arrival
-                t = start + dur_f
-                f_end[idx] = t
-                if stage != last_stage and waiting[next_rank] == idx:
-                    waiting[next_rank] = not_waiting
-                    ready.append(next_rank)
-                cur += 1
-                if cur > pk:
-                    pk = cur
-            elif kind == B:
-                stage = action[2] * pp + r
-                idx = stage * m + action[1]
-                start = f_end[idx]
-                if start < 0:  # own forward not run yet: it is later in this list, so never
-                    waiting[r] = idx
+    def _layout(self, cfg: ScheduleConfig, hop: float) -> None:
+        """Where every stage lives, who consumes its outputs, and what each hand-off costs: a
+        transfer between two ranks costs ``hop``, a hand-off between two chunks of one rank (the
+        turn of a V, or any pp == 1 table) nothing."""
+        owner = [cfg.owner_of(stage)[0] for stage in range(cfg.num_stages)]
+        self.stage_of = [[cfg.stage_of(r, c) for c in range(cfg.vp)] for r in range(cfg.pp)]
+        self.f_consumer = owner[1:] + [-1]  # the rank that waits for stage s's forward output
+        self.b_consumer = [-1] + owner[:-1]  # the rank that waits for stage s's input gradient
+        # f_hop[s]: activation from stage s - 1 into s; b_hop[s]: gradient from stage s + 1 into s.
+        self.f_hop = [0.0] + [hop if owner[s - 1] != owner[s] else 0.0 for s in range(1, len(owner))]
+        self.b_hop = [hop if owner[s + 1] != owner[s] else 0.0 for s in range(len(owner) - 1)] + [0.0]
+
+    def _durations(self, costs: CostModel) -> None:
+        """Duration and exposed all-to-all per kind; B and FB indexed by the split flag (0 = full
+        backward, weight gradient included; 1 = input gradient only, its W priced separately)."""
+        forward = costs.forward
+        backward = (costs.backward + costs.weight_grad, costs.backward)
+        fb_comm = costs.a2a_forward + costs.a2a_backward
+        self.dur_f = forward + costs.a2a_forward
+        self.dur_b = tuple(b + costs.a2a_backward for b in backward)
+        self.dur_fb = tuple(max(forward + b, fb_comm) for b in backward)
+        self.dur_w = costs.weight_grad
+        self.exp_f, self.exp_b = costs.a2a_forward, costs.a2a_backward
+        self.exp_fb = tuple(max(0.0, fb_comm - (forward + b)) for b in backward)
+
+    # -- inputs: each returns the earliest start >= ``start``, or -1.0 after parking rank r --------
+    def _forward_input(self, r: int, stage: int, idx: int, start: float) -> float:
+        if stage:
+            arrival = self.f_end[idx - self.m]
+            if arrival < 0:
+                self.waiting[r] = idx - self.m
+                return -1.0
+            arrival += self.f_hop[stage]
+            if arrival > start:
+                return arrival
+        return start
+
+    def _backward_input(self, r: int, stage: int, idx: int, start: float) -> float:
+        own = self.f_end[idx]
+        if own < 0:  # own forward not run yet: it is later in this list, so never
+            self.waiting[r] = idx
+            return -1.0
+        if own > start:
+            start = own
+        if stage != self.last_stage:  # the last stage computes its loss locally
+            arrival = self.b_end[idx + self.m]
+            if arrival < 0:
+                self.waiting[r] = ~(idx + self.m)
+                return -1.0
+            arrival += self.b_hop[stage]
+            if arrival > start:
+                return arrival
+        return start
+
+    def _wake(self, rank: int, key: int) -> None:
+        if self.waiting[rank] == key:
+            self.waiting[rank] = self.not_waiting
+            self.ready.append(rank)
+
+    def _done(self, r: int, action: Action, start: float, end: float, exposed: float, held: int) -> float:
+        """Record a placed action; ``held`` is the change of (microbatch, chunk)s in flight."""
+        self.events[r].append((r, action, start, end))
+        self.busy[r] += end - start
+        self.exposed[r] += exposed
+        if held:
+            held += self.inflight[r]
+            self.inflight[r] = held
+            if held > self.peak[r]:
+                self.peak[r] = held
+        return end
+
+    # -- one handler per kind: the action's end time, or -1.0 if rank r had to park ---------------
+    def _forward(self, r: int, action: Action, t: float) -> float:
+        stage = self.stage_of[r][action[2]]
+        idx = stage * self.m + action[1]
+        start = self._forward_input(r, stage, idx, t)
+        if start < 0:
+            return start
+        end = start + self.dur_f
+        self.f_end[idx] = end
+        if stage != self.last_stage:
+            self._wake(self.f_consumer[stage], idx)
+        return self._done(r, action, start, end, self.exp_f, 1)
+
+    def _backward(self, r: int, action: Action, t: float) -> float:
+        stage = self.stage_of[r][action[2]]
+        idx = stage * self.m + action[1]
+        start = self._backward_input(r, stage, idx, t)
+        if start < 0:
+            return start
+        split = self.split[idx]
+        end = start + self.dur_b[split]
+        self.b_end[idx] = end
+        if stage:
+            self._wake(self.b_consumer[stage], ~idx)
+        # A split backward keeps the activations until its W.
+        return self._done(r, action, start, end, self.exp_b, split - 1)
+
+    def _forward_backward(self, r: int, action: Action, t: float) -> float:
+        f_stage = self.stage_of[r][action[2]]
+        f_idx = f_stage * self.m + action[1]
+        b_stage = self.stage_of[r][action[4]]
+        b_idx = b_stage * self.m + action[3]
+        start = self._forward_input(r, f_stage, f_idx, t)
+        if start >= 0:
+            start = self._backward_input(r, b_stage, b_idx, start)
+        if start < 0:
+            return start
+        split = self.split[b_idx]
+        end = start + self.dur_fb[split]
+        self.f_end[f_idx] = end
+        self.b_end[b_idx] = end
+        if f_stage != self.last_stage:
+            self._wake(self.f_consumer[f_stage], f_idx)
+        if b_stage:
+            self._wake(self.b_consumer[b_stage], ~b_idx)
+        # The forward half allocates before the backward half frees (if it frees at all).
+        if self.inflight[r] + 1 > self.peak[r]:
+            self.peak[r] = self.inflight[r] + 1
+        return self._done(r, action, start, end, self.exp_fb[split], split)
+
+    def _weight(self, r: int, action: Action, t: float) -> float:
+        idx = self.stage_of[r][action[2]] * self.m + action[1]
+        start = self.b_end[idx]
+        if start < 0:  # own backward is later in this list: never
+            self.waiting[r] = ~idx
+            return start
+        if start < t:
+            start = t
+        return self._done(r, action, start, start + self.dur_w, 0.0, -1)
+
+    def run(self) -> None:
+        """Advance ranks until every rank is done or parked; raise if some are stuck."""
+        # Local, not an attribute: bound methods in an attribute would make a reference cycle.
+        handlers = {FORWARD: self._forward, BACKWARD: self._backward,
+                    FORWARD_BACKWARD: self._forward_backward, WEIGHT_GRAD: self._weight}
+        ready = self.ready
+        while ready:
+            r = ready.pop()
+            rank_list = self.actions[r]
+            i, t = self.next_index[r], self.clock[r]
+            while i < len(rank_list):
+                action = rank_list[i]
+                handler = handlers.get(action[0])
+                if handler is None:
+                    raise ValueError(f"rank {r}: unknown action kind {action[0]!r} in {action!r}.")
+                end = handler(r, action, t)
+                if end < 0:
                     break
-                if start < t:
-                    start = t
-                if stage != last_stage:
-                    arrival = b_end[idx + m]
-                    if arrival < 0:
-                        waiting[r] = ~(idx + m)
-                        break
-                    arrival += hop
-                    if arrival > start:
-                        start = arrival
-                t = start + dur_b
-                b_end[idx] = t
-                if stage and waiting[prev_rank] == ~idx:
-                    waiting[prev_rank] = not_waiting
-                    ready.append(prev_rank)
-                cur -= 1
-            elif kind == FB:
-                f_stage = action[2] * pp + r
-                f_idx = f_stage * m + action[1]
-                b_stage = action[4] * pp + r
-                b_idx = b_stage * m + action[3]
-                start = t
-                if f_stage:
-                    arrival = f_end[f_idx - m]
-                    if arrival < 0:
-                        waiting[r] = f_idx - m
-                        break
-                    arrival += hop
-                    if arrival > start:
-                        start = arrival
-                own = f_end[b_idx]
-                if own < 0:
-                    waiting[r] = b_idx
-                    break
-                if own > start:
-                    start = own
-                if b_stage != last_stage:
-                    arrival = b_end[b_idx + m]
-                    if arrival < 0:
-                        waiting[r] = ~(b_idx + m)
-                        break
-                    arrival += hop
-                    if arrival > start:
-                        start = arrival
-                t = start + dur_fb
-                f_end[f_idx] = t
-                b_end[b_idx] = t
-                if f_stage != last_stage and waiting[next_rank] == f_idx:
-                    waiting[next_rank] = not_waiting
-                    ready.append(next_rank)
-                if b_stage and waiting[prev_rank] == ~b_idx:
-                    waiting[prev_rank] = not_waiting
-                    ready.append(prev_rank)
-                # The forward half allocates before the backward half frees.
-                if cur + 1 > pk:
-                    pk = cur + 1
-            elif kind == W:
-                idx = (action[2] * pp + r) * m + action[1]
-                start = b_end[idx]
-                if start < 0:  # own backward is later in this list: never
-                    waiting[r] = ~idx
-                    break
-                if start < t:
-                    start = t
-                t = start + dur_w
-            else:
-                raise ValueError(f"rank {r}: unknown action kind {kind!r} in {action!r}.")
-            emit((r, action, start, t))
-            i += 1
-        next_index[r] = i
-        clock[r] = t
-        inflight[r], peak[r] = cur, pk
+                t = end
+                i += 1
+            self.next_index[r], self.clock[r] = i, t
+        self._raise_if_stuck()
 
-    stuck = [r for r in range(pp) if next_index[r] < len(actions[r])]
-    if stuck:
-        detail = "; ".join(
-            f"rank {r} waits at action #{next_index[r]} {actions[r][next_index[r]].describe()}"
-            f" (for {_describe_key(waiting[r], m, pp)})"
-            for r in stuck
+    def _raise_if_stuck(self) -> None:
+        cfg = self.cfg
+        stuck = [r for r in range(cfg.pp) if self.next_index[r] < len(self.actions[r])]
+        if stuck:
+            detail = "; ".join(
+                f"rank {r} waits at action #{self.next_index[r]} {self.actions[r][self.next_index[r]].describe()}"
+                f" (for {_describe_key(cfg, self.waiting[r])})"
+                for r in stuck
+            )
+            raise RuntimeError(
+                f"schedule deadlocks ({cfg.schedule}, pp={cfg.pp}, vp={cfg.vp}, num_microbatches="
+                f"{cfg.microbatches}): ranks {stuck} cannot progress: {detail}"
+            )
+
+    def result(self, costs: CostModel) -> SimulationResult:
+        pp, clock, busy = self.cfg.pp, self.clock, self.busy
+        pipeline_makespan = max(clock) if clock else 0.0
+        ar_time, algorithm = costs.allreduce()
+        makespan = max(c + ar_time for c in clock) if clock else 0.0
+        if pipeline_makespan > 0:
+            rank_bubble = [1.0 - b / pipeline_makespan for b in busy]
+            bubble = 1.0 - sum(busy) / (pp * pipeline_makespan)
+        else:
+            rank_bubble = [0.0] * pp
+            bubble = 0.0
+        return SimulationResult(
+            pp=pp,
+            events=[event for rank_events in self.events for event in rank_events],
+            makespan=makespan,
+            pipeline_makespan=pipeline_makespan,
+            busy=busy,
+            bubble_fraction=bubble,
+            rank_bubble=rank_bubble,
+            peak_inflight=self.peak,
+            exposed_a2a=self.exposed,
+            allreduce_algorithm=algorithm,
+            allreduce_time=ar_time,
+            rank_end=list(clock),
         )
-        raise RuntimeError(
-            f"schedule deadlocks ({cfg.schedule}, pp={pp}, vp={vp}, num_microbatches={m}): "
-            f"ranks {stuck} cannot progress: {detail}"
-        )
-
-    # Busy time and exposed all-to-all depend only on how many actions of each kind a rank runs,
-    # so they are counted here (in C, via Counter) rather than summed in the placement loop.
-    busy = []
-    exposed = []
-    for rank_list in actions:
-        counts = Counter(map(kind_of, rank_list))
-        n_f, n_b, n_fb, n_w = counts[F], counts[B], counts[FB], counts[W]
-        busy.append(n_f * dur_f + n_b * dur_b + n_fb * dur_fb + n_w * dur_w)
-        exposed.append(n_f * exp_f + n_b * exp_b + n_fb * exp_fb)
-
-    pipeline_makespan = max(clock) if clock else 0.0
-    ar_time, algorithm = costs.allreduce()
-    makespan = max(c + ar_time for c in clock) if clock else 0.0
-    if pipeline_makespan > 0:
-        rank_bubble = [1.0 - b / pipeline_makespan for b in busy]
-        bubble = 1.0 - sum(busy) / (pp * pipeline_makespan)
-    else:
-        rank_bubble = [0.0] * pp
-        bubble = 0.0
-    events = [event for rank_events in per_rank_events for event in rank_events]
-    return SimulationResult(
-        pp=pp,
-        events=events,
-        makespan=makespan,
-        pipeline_makespan=pipeline_makespan,
-        busy=busy,
-        bubble_fraction=bubble,
-        rank_bubble=rank_bubble,
-        peak_inflight=peak,
-        exposed_a2a=exposed,
-        allreduce_algorithm=algorithm,
-        allreduce_time=ar_time,
-        rank_end=list(clock),
-    )
 
 
-def _describe_key(key: int, m: int, pp: int) -> str:
+def _describe_key(cfg: ScheduleConfig, key: int) -> str:
     """Human form of the input a parked rank waits for."""
     kind, idx = ("forward output", key) if key >= 0 else ("backward gradient", ~key)
-    stage, microbatch = divmod(idx, m)
-    rank, chunk = stage % pp, stage // pp
+    stage, microbatch = divmod(idx, cfg.microbatches)
+    rank, chunk = cfg.owner_of(stage)
     return f"{kind} of microbatch {microbatch} at stage {stage} (rank {rank}, chunk {chunk})"
 
 

@@ -23,6 +23,11 @@ Schedules (``pp`` = pipeline ranks, ``vp`` = chunks per rank, ``m`` = microbatch
     that the forward of one microbatch can overlap the backward of another. The extra warm-up
     makes the two halves of each ``FB`` independent. It holds more activations than 1F1B: up to
     ``2 * (pp - r) `` microbatches on rank ``r`` with ``vp == 1``.
+``zb1p``, ``zbv``, ``dualpipev``
+    The zero-bubble schedules (backward split into ``B`` and a deferred ``W``): ZB-H1 (any ``vp``;
+    interleaved for ``vp >= 2``), ZB-V and DeepSeek's DualPipeV (both ``vp == 2`` in a V, see
+    :attr:`ScheduleConfig.placement`). Their tables and orders are in
+    :mod:`lightning_pp.schedules.zero_bubble`.
 """
 
 from __future__ import annotations
@@ -30,11 +35,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_pp.schedules.actions import Action, backward, forward, forward_backward, stage_owner, virtual_stage
+from lightning_pp.schedules.actions import (
+    FORWARD,
+    Action,
+    backward,
+    forward,
+    forward_backward,
+    stage_owner,
+    virtual_stage,
+)
+from lightning_pp.schedules.zero_bubble import dualpipev_actions, zb1p_actions, zbv_actions
 
-SCHEDULES = ("1f1b", "interleaved", "combined_1f1b", "gpipe")
+SCHEDULES = ("1f1b", "interleaved", "combined_1f1b", "gpipe", "zb1p", "zbv", "dualpipev")
 #: Schedules whose two chunks per rank sit in a V (see :attr:`ScheduleConfig.placement`).
-V_SCHEDULES: tuple = ()
+V_SCHEDULES: tuple = ("zbv", "dualpipev")
+#: Schedules whose tables fuse one microbatch's forward with another's backward (``FB`` actions):
+#: the runtime runs their chunks through schedule plans so the two halves overlap.
+FUSED_SCHEDULES: tuple = ("combined_1f1b", "dualpipev")
+#: Schedules whose tables split backwards into ``B`` (input gradient) and ``W`` (weight gradient).
+ZERO_BUBBLE_SCHEDULES: tuple = ("zb1p", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -80,7 +99,7 @@ class ScheduleConfig:
     @property
     def is_interleaved(self) -> bool:
         """Whether the table uses Megatron's grouped interleaved order."""
-        return self.schedule == "interleaved" or (self.schedule == "combined_1f1b" and self.vp > 1)
+        return self.schedule == "interleaved" or (self.schedule in ("combined_1f1b", "zb1p") and self.vp > 1)
 
     def validate(self) -> "ScheduleConfig":
         _validate(self)
@@ -117,6 +136,26 @@ def _validate(cfg: ScheduleConfig) -> None:
         cfg.microbatches,
         f"Use at least pp={cfg.pp if isinstance(cfg.pp, int) else '?'} microbatches, e.g. 2 * pp.",
     )
+    _validate_chunks(cfg)
+    if cfg.microbatch_group_size is not None:
+        _positive("microbatch_group_size", cfg.microbatch_group_size, f"Use the default (pp={cfg.pp}).")
+        if not cfg.is_interleaved:
+            raise ValueError(
+                f"microbatch_group_size={cfg.microbatch_group_size} only applies to interleaved "
+                f"schedules (vp >= 2), not schedule={cfg.schedule!r} with vp={cfg.vp}. Leave it unset."
+            )
+    if cfg.schedule == "dualpipev" and cfg.microbatches < 2 * cfg.pp:
+        raise ValueError(
+            f"num_microbatches={cfg.microbatches} is invalid for schedule='dualpipev' with pp={cfg.pp}: "
+            f"DualPipeV needs num_microbatches >= 2 * pp = {2 * cfg.pp} (one per virtual stage) to "
+            f"fill its V. Use num_microbatches={2 * cfg.pp}, or schedule='zbv' for fewer."
+        )
+    if cfg.is_interleaved:
+        _validate_interleaved(cfg)
+
+
+def _validate_chunks(cfg: ScheduleConfig) -> None:
+    """The chunks per rank (``vp``) each schedule runs."""
     if cfg.schedule == "1f1b" and cfg.vp != 1:
         raise ValueError(
             f"virtual_pipeline_size={cfg.vp} is invalid for schedule='1f1b': 1F1B runs one chunk "
@@ -127,42 +166,44 @@ def _validate(cfg: ScheduleConfig) -> None:
             f"virtual_pipeline_size={cfg.vp} is invalid for schedule='interleaved': interleaving "
             f"needs at least 2 chunks per rank. Use vp=2, or schedule='1f1b' for vp=1."
         )
-    if cfg.microbatch_group_size is not None:
-        _positive("microbatch_group_size", cfg.microbatch_group_size, f"Use the default (pp={cfg.pp}).")
-        if not cfg.is_interleaved:
-            raise ValueError(
-                f"microbatch_group_size={cfg.microbatch_group_size} only applies to interleaved "
-                f"schedules (vp >= 2), not schedule={cfg.schedule!r} with vp={cfg.vp}. Leave it unset."
-            )
-    if cfg.is_interleaved:
-        m, p, n = cfg.microbatches, cfg.pp, cfg.group_size
-        if n < p:
-            raise ValueError(
-                f"microbatch_group_size={n} is invalid for pp={p}: an interleaved group must hold at "
-                f"least pp microbatches (group >= pp) or the ring of stages stalls. Use "
-                f"microbatch_group_size={p}."
-            )
-        if m < p:
-            raise ValueError(
-                f"num_microbatches={m} is invalid for schedule={cfg.schedule!r} with pp={p}, vp={cfg.vp}: "
-                f"interleaving needs num_microbatches >= pp. Use num_microbatches={p} (or {2 * p})."
-            )
-        if cfg.microbatch_group_size is not None and n > m:
-            raise ValueError(
-                f"microbatch_group_size={n} is larger than num_microbatches={m}: a group cannot hold "
-                f"more microbatches than the step has. Use microbatch_group_size<={m}, e.g. {p}."
-            )
-        n = min(n, m)
-        remainder = m % n
-        if remainder != 0 and remainder < p:
-            fix_up = m + (p - remainder)
-            fix_down = m - remainder
-            raise ValueError(
-                f"num_microbatches={m} is invalid for schedule={cfg.schedule!r} with pp={p}, "
-                f"microbatch_group_size={n}: the last group would hold {remainder} microbatches, and a "
-                f"partial group must hold 0 or at least pp={p} (num_microbatches % group in "
-                f"{{0}} or [{p}, {n})). Use num_microbatches={fix_down} or {fix_up}."
-            )
+    if cfg.schedule in V_SCHEDULES and cfg.vp != 2:
+        raise ValueError(
+            f"virtual_pipeline_size={cfg.vp} is invalid for schedule={cfg.schedule!r}: a V schedule "
+            f"runs exactly 2 chunks per rank (stages r and 2 * pp - 1 - r). Use vp=2, or "
+            f"schedule='zb1p' for vp={cfg.vp}."
+        )
+
+
+def _validate_interleaved(cfg: ScheduleConfig) -> None:
+    """Megatron's grouping rules, for every schedule with the grouped interleaved order."""
+    m, p, n = cfg.microbatches, cfg.pp, cfg.group_size
+    if n < p:
+        raise ValueError(
+            f"microbatch_group_size={n} is invalid for pp={p}: an interleaved group must hold at "
+            f"least pp microbatches (group >= pp) or the ring of stages stalls. Use "
+            f"microbatch_group_size={p}."
+        )
+    if m < p:
+        raise ValueError(
+            f"num_microbatches={m} is invalid for schedule={cfg.schedule!r} with pp={p}, vp={cfg.vp}: "
+            f"interleaving needs num_microbatches >= pp. Use num_microbatches={p} (or {2 * p})."
+        )
+    if cfg.microbatch_group_size is not None and n > m:
+        raise ValueError(
+            f"microbatch_group_size={n} is larger than num_microbatches={m}: a group cannot hold "
+            f"more microbatches than the step has. Use microbatch_group_size<={m}, e.g. {p}."
+        )
+    n = min(n, m)
+    remainder = m % n
+    if remainder != 0 and remainder < p:
+        fix_up = m + (p - remainder)
+        fix_down = m - remainder
+        raise ValueError(
+            f"num_microbatches={m} is invalid for schedule={cfg.schedule!r} with pp={p}, "
+            f"microbatch_group_size={n}: the last group would hold {remainder} microbatches, and a "
+            f"partial group must hold 0 or at least pp={p} (num_microbatches % group in "
+            f"{{0}} or [{p}, {n})). Use num_microbatches={fix_down} or {fix_up}."
+        )
 
 
 def config_for_batch(cfg: ScheduleConfig, batch_size: int) -> ScheduleConfig:
@@ -171,8 +212,10 @@ def config_for_batch(cfg: ScheduleConfig, batch_size: int) -> ScheduleConfig:
     ``cfg`` itself when the batch has at least ``cfg.microbatches`` samples. A smaller batch (the
     last batch of an epoch with ``drop_last=False``) runs the same schedule with the most
     microbatches it allows (at most one sample each), or, where that schedule cannot run so few
-    (interleaving needs at least ``pp``), GPipe over the same chunks. Gradients are those of the
-    whole batch either way: only the order, the bubble and the activation memory differ."""
+    (interleaving needs at least ``pp``), GPipe over the same chunks -- or, for the V schedules
+    (DualPipeV needs ``2 * pp``), ZB-V, which keeps the V placement and runs any count. Gradients
+    are those of the whole batch either way: only the order, the bubble and the activation memory
+    differ."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"a batch of size {batch_size!r} cannot be run: a step needs at least one sample.")
     if batch_size >= cfg.microbatches:
@@ -185,7 +228,9 @@ def config_for_batch(cfg: ScheduleConfig, batch_size: int) -> ScheduleConfig:
             return ScheduleConfig(cfg.schedule, cfg.pp, cfg.vp, count, group).validate()
         except ValueError:
             continue
-    return ScheduleConfig("gpipe", cfg.pp, cfg.vp, batch_size).validate()
+    # The fallback must keep the placement: the model's chunks are already built for it.
+    fallback = "zbv" if cfg.placement == "v" else "gpipe"
+    return ScheduleConfig(fallback, cfg.pp, cfg.vp, batch_size).validate()
 
 
 def interleaved_table(microbatches: int, vp: int, group_size: int) -> list[tuple[int, int]]:
@@ -204,7 +249,14 @@ def warmup_count(cfg: ScheduleConfig, rank: int) -> int:
     total = cfg.microbatches * cfg.vp
     if cfg.schedule == "gpipe":
         return total
-    if cfg.is_interleaved or cfg.schedule == "combined_1f1b":
+    if cfg.placement == "v":
+        actions = rank_actions(cfg, rank)
+        return next((i for i, a in enumerate(actions) if a.kind != FORWARD), len(actions))
+    if cfg.schedule == "zb1p":
+        # Interleaved warm-up with one hop per rank (torch's InterleavedZeroBubble): the B that
+        # follows is only the input gradient, so it comes back faster than a full backward.
+        warmup = cfg.pp - rank - 1 + (cfg.vp - 1) * min(cfg.group_size, cfg.microbatches)
+    elif cfg.is_interleaved or cfg.schedule == "combined_1f1b":
         # Combined 1F1B uses the interleaved warm-up even with one chunk per rank: with plain
         # 1F1B's (pp - r - 1) + 1, every rank's FB at step k would wait for its neighbour's FB of
         # the same step and the ranks would take turns (measured in the simulator: pp=4, m=8
@@ -224,6 +276,15 @@ def _forward_order(cfg: ScheduleConfig) -> list[tuple[int, int]]:
     return [(mb, chunk) for chunk in range(cfg.vp) for mb in range(cfg.microbatches)]
 
 
+def _zero_bubble_actions(cfg: ScheduleConfig, rank: int) -> list[Action]:
+    if cfg.schedule == "zbv":
+        return zbv_actions(cfg.pp, rank, cfg.microbatches)
+    if cfg.schedule == "dualpipev":
+        return dualpipev_actions(cfg.pp, rank, cfg.microbatches)
+    # ZB-H1: rank r holds r weight gradients back (the paper's "W lag"), rank 0 none.
+    return zb1p_actions(_forward_order(cfg), warmup_count(cfg, rank), lag=rank)
+
+
 def rank_actions(cfg: ScheduleConfig, rank: int, forward_only: bool = False) -> list[Action]:
     """The ordered actions of pipeline rank ``rank``.
 
@@ -232,6 +293,11 @@ def rank_actions(cfg: ScheduleConfig, rank: int, forward_only: bool = False) -> 
     """
     if not 0 <= rank < cfg.pp:
         raise ValueError(f"rank={rank} is out of range for pp={cfg.pp}: use 0 <= rank < {cfg.pp}.")
+    if cfg.schedule in ZERO_BUBBLE_SCHEDULES:
+        actions = _zero_bubble_actions(cfg, rank)
+        if forward_only:
+            return [forward(*a.forward_part()) for a in actions if a.forward_part() is not None]
+        return actions
     fwd = _forward_order(cfg)
     if forward_only:
         return [forward(mb, chunk) for mb, chunk in fwd]
