@@ -52,7 +52,8 @@ class PipelineConfig:
     num_microbatches: Optional[int] = None
     """Microbatches per batch; ``None``: twice the pipeline size."""
     schedule: str = "1f1b"
-    """``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"`` or ``"gpipe"``."""
+    """``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"``, ``"gpipe"``, ``"zb1p"``, ``"zbv"`` or
+    ``"dualpipev"`` (:data:`lightning_pp.schedules.SCHEDULES`)."""
     layout: Layout = None
     """Layers per virtual stage: a list or a Megatron-style string; ``None``: balanced."""
     microbatch_group_size: Optional[int] = None

@@ -52,7 +52,7 @@ from lightning_pp.runtime.stage import StageRunner, StepState
 from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
 from lightning_pp.runtime.waits import BoundedWait
-from lightning_pp.schedules import WEIGHT_GRAD, ScheduleConfig, config_for_batch, rank_actions
+from lightning_pp.schedules import FUSED_SCHEDULES, ScheduleConfig, config_for_batch, rank_actions, split_backwards
 from lightning_pp.schedules.messages import send_order
 
 
@@ -137,10 +137,11 @@ class PipelineExecutor:
         self._ref = weakref.ref(self)
         if self.watchdog is not None:
             self.watchdog.watch(self)
-        # Combined 1F1B runs chunks through their schedule plans (runtime/plan.py, runtime/nodes.py)
-        # so that an FB action overlaps one microbatch's forward with another's backward.
+        # Schedules with FB actions (combined 1F1B, DualPipeV) run chunks through their schedule plans
+        # (runtime/plan.py, runtime/nodes.py) so that an FB overlaps one microbatch's forward with
+        # another's backward.
         self.stage = StageRunner(partition, self.p2p, config, self.pp_rank, self.rng, self.timeline,
-                                 self.wait_collective, topology.describe, config.schedule == "combined_1f1b",
+                                 self.wait_collective, topology.describe, config.schedule in FUSED_SCHEDULES,
                                  loss_fn or module.pipeline_loss,
                                  inputs_fn or getattr(module, "pipeline_inputs", None) or default_pipeline_inputs,
                                  # the pipeline's place for what a predict_step would do (argmax, decoding)
@@ -179,8 +180,8 @@ class PipelineExecutor:
                           for src in range(config.pp) if src != rank}
                 expected[forward_only] = {src: order for src, order in orders.items() if order}
             actions = rank_actions(config, rank)
-            deferred = frozenset((a.microbatch, a.chunk) for a in actions if a.kind == WEIGHT_GRAD)
-            plan = StepPlan(config, actions, rank_actions(config, rank, forward_only=True), expected, deferred)
+            plan = StepPlan(config, actions, rank_actions(config, rank, forward_only=True), expected,
+                            frozenset(split_backwards(actions)))
             self._plans[config] = plan
         return plan
 

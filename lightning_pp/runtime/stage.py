@@ -25,7 +25,7 @@ from lightning_pp.runtime.p2p import PointToPoint
 from lightning_pp.runtime.partition import Partition
 from lightning_pp.runtime.rng import StageRNG
 from lightning_pp.runtime.timeline import Timeline
-from lightning_pp.runtime.weight_grad import backward_input
+from lightning_pp.runtime.weight_grad import WeightGrad, backward_input
 from lightning_pp.schedules import ScheduleConfig
 from lightning_pp.schedules.messages import Message
 
@@ -97,6 +97,7 @@ class StageRunner:
             with self._context(state, microbatch, chunk_id):
                 plan, hooks = self._backward_plan(state, microbatch, chunk_id)
                 type(plan).run(None, plan, **hooks)
+            self._nothing_deferred(state, microbatch, chunk_id)
             return
         received, _, roots, grads = self._output_grads(state, microbatch, chunk_id)
         with self._context(state, microbatch, chunk_id):
@@ -111,6 +112,13 @@ class StageRunner:
                     run_backward(roots, grads)
                 in_grads = tuple(t.grad for t in received)
         self._finish_backward(state, microbatch, chunk_id, received, in_grads)
+
+    @staticmethod
+    def _nothing_deferred(state: StepState, microbatch: int, chunk_id: int) -> None:
+        # A backward run through a schedule plan computes its weight gradients node by node, within
+        # the plan; its W action then has nothing left to do.
+        if (microbatch, chunk_id) in state.deferred:
+            state.weight_work[(microbatch, chunk_id)] = WeightGrad([])
 
     def weight(self, state: StepState, microbatch: int, chunk_id: int) -> None:
         """The deferred weight gradient of a backward that ran as input-gradient only."""
@@ -127,6 +135,7 @@ class StageRunner:
         with self._context(state, *f), self.rng.stream(f[1]):  # backward nodes draw no random numbers
             f_plan, f_hooks = self._forward_plan(state, *f)
             b_plan, b_hooks = self._backward_plan(state, *b)
+            self._nothing_deferred(state, *b)
             if type(f_plan) is type(b_plan):  # the plan class fuses them, the hooks carry the transfers
                 type(f_plan).run(f_plan, b_plan, **f_hooks, **b_hooks)
             else:  # chunks of different plan classes (a layer with its own): one after the other

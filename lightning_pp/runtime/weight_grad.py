@@ -16,12 +16,15 @@ Details that keep it exact:
   uses into one group). Each group is one autograd call; where a group has several such nodes and
   one lies downstream of another, a pre-hook pins each node's incoming gradient to the remembered
   one, so nothing flows in twice.
-* Gradients are accumulated into ``.grad`` as a plain backward would: a parameter no path reaches
-  keeps ``grad = None``.
+* Gradients are accumulated into ``.grad`` by autograd itself, as a plain backward would (gradient
+  hooks fire at W); a parameter no path reaches keeps ``grad = None``.
 * A stage whose inputs need no gradient (the first stage) has no input path: ``B`` does nothing
   and ``W`` is the whole backward.
 * Activation-checkpointed layers recompute their forward once per autograd call that needs it, so
-  with checkpointing a ``W`` reaching into such a layer recomputes it again (exact, slower).
+  with (non-reentrant) checkpointing a ``W`` reaching into such a layer recomputes it again
+  (exact, slower). Reentrant checkpointing (``use_reentrant=True``) refuses an autograd call that
+  asks for particular inputs; a backward through such a layer runs whole at ``B`` (its ``W`` then
+  has nothing left to do): exact, without the deferral.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from typing import Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentrant=True)
 
 
 def _engine_backward(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
@@ -90,18 +96,12 @@ class WeightGrad:
             # A node downstream of another of the group gets exactly its remembered gradient.
             handles = [node.register_prehook(lambda _incoming, grads=grads: grads) for node, grads in pins] \
                 if len({node for node, _, _ in seeds}) > 1 else []
-            try:
-                weights = torch.autograd.grad([GradientEdge(node, i) for node, i, _ in seeds], params,
-                                              [g for _, _, g in seeds], retain_graph=True, allow_unused=True)
+            try:  # accumulated by autograd itself, so .grad and gradient hooks behave as in one backward
+                torch.autograd.backward([GradientEdge(node, i) for node, i, _ in seeds], [g for _, _, g in seeds],
+                                        retain_graph=True, inputs=params)
             finally:
                 for handle in handles:
                     handle.remove()
-            for p, g in zip(params, weights):
-                if g is not None:
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad.add_(g)
         self.groups, self.roots, self.grads = [], (), ()
 
 
@@ -116,6 +116,9 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch
     if not inputs:
         return (), WeightGrad([], roots, grads)
     parents = _graph(roots)
+    if any(node.name() == _REENTRANT_CHECKPOINT for node in parents):
+        _engine_backward(roots, grads)
+        return tuple(t.grad for t in inputs), WeightGrad([])
     input_nodes = [get_gradient_edge(t).node for t in inputs]
     input_path, _ = _upward([n for n in input_nodes if n in parents], parents)
     # A root that no input feeds (an output that depends on parameters only) is weight work whole:

@@ -32,7 +32,7 @@ from lightning_pp.strategies import checkpoint as ckpt
 from lightning_pp.runtime.config import PipelineConfig
 from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineStrategyMixin
 
-ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe"]
+ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe", "zb1p", "zbv", "dualpipev"]
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
 BatchCheck = Literal["raise", "warn", "off"]
 

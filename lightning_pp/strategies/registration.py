@@ -20,6 +20,9 @@ REGISTERED: dict[str, dict[str, Any]] = {
     "pp_gpipe": dict(schedule="gpipe"),
     "pp_interleaved": dict(schedule="interleaved", virtual_pipeline_size=2),
     "pp_combined_1f1b": dict(schedule="combined_1f1b"),
+    "pp_zb1p": dict(schedule="zb1p"),
+    "pp_zbv": dict(schedule="zbv", virtual_pipeline_size=2),
+    "pp_dualpipev": dict(schedule="dualpipev", virtual_pipeline_size=2),
 }
 
 

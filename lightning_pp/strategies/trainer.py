@@ -44,7 +44,7 @@ from lightning_pp.strategies.loops import (
     warn_unused_step_methods,
 )
 
-ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe"]
+ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe", "zb1p", "zbv", "dualpipev"]
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
 BatchCheck = Literal["raise", "warn", "off"]
 
@@ -61,7 +61,9 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         expert_parallel_size: ranks per expert-parallel group (inside one stage).
         virtual_pipeline_size: model chunks per rank (>= 2 for ``interleaved``).
         num_microbatches: microbatches per batch; default 2 x pipeline size.
-        schedule: ``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"`` or ``"gpipe"``.
+        schedule: ``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"``, ``"gpipe"``, or a zero-bubble
+            schedule: ``"zb1p"`` (ZB-H1), ``"zbv"`` or ``"dualpipev"`` (these two with
+            ``virtual_pipeline_size=2``, stages in a V).
         layout: layers per virtual stage, as a list or a Megatron-style string; default balanced.
         microbatch_group_size: interleaved grouping of microbatches; default pipeline size.
         pipeline_timeout: how long any wait of a step (a stage-boundary transfer or an in-step

@@ -1,0 +1,146 @@
+"""Zero-bubble schedules (ZB-H1 ``zb1p``, ZB-V ``zbv``, ``dualpipev``) train exactly the model one
+device trains: their backward is split into input gradients (B) and weight gradients (W, later),
+with tied weights, activation checkpointing, short batches and data parallelism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from models import Block
+from test_runtime_equivalence import _check, _pipelined
+
+from moe_models import token_batches
+
+TWO_RANKS = [
+    dict(model="regressor", pp=2, m=4, schedule="zb1p", batch=8),
+    dict(model="regressor", pp=2, m=5, schedule="zb1p", batch=11, opt="adamw"),
+    dict(model="tied", pp=2, m=3, schedule="zb1p", batch=6),  # tied embedding/head across ranks
+    dict(model="tuple", pp=2, m=4, schedule="zb1p", batch=9),
+    dict(model="non_reentrant", pp=2, m=4, schedule="zb1p", batch=8),
+    dict(model="reentrant", pp=2, m=4, schedule="zb1p", batch=8),
+    dict(model="regressor", pp=2, m=4, schedule="zb1p", batch=8, ac=True),
+    dict(model="regressor", pp=2, m=4, schedule="zb1p", batch=3),  # short batch: fewer microbatches
+    dict(model="regressor", pp=2, vp=2, m=4, schedule="zbv", batch=8),
+    dict(model="regressor", pp=2, vp=2, m=5, schedule="zbv", batch=11),
+    dict(model="tied", pp=2, vp=2, m=4, schedule="zbv", batch=8),  # embedding and head both on rank 0
+    dict(model="tied_sum", pp=2, vp=2, m=4, schedule="zbv", batch=8),
+    dict(model="non_reentrant", pp=2, vp=2, m=4, schedule="zbv", batch=8),
+    dict(model="tied", pp=2, vp=2, m=4, schedule="zbv", batch=8, ac=[Block]),
+    dict(model="regressor", pp=2, vp=2, m=4, schedule="zbv", batch=2),  # short batch
+    dict(model="regressor", pp=2, vp=2, m=4, schedule="dualpipev", batch=8),
+    dict(model="tied", pp=2, vp=2, m=5, schedule="dualpipev", batch=10),
+    dict(model="non_reentrant", pp=2, vp=2, m=6, schedule="dualpipev", batch=12, opt="adamw"),
+    dict(model="regressor", pp=2, vp=2, m=4, schedule="dualpipev", batch=3),  # short batch: runs as zbv
+]
+
+FOUR_RANKS_PP4 = [
+    dict(model="regressor", pp=4, m=8, schedule="zb1p", batch=8),
+    dict(model="tied", pp=4, m=4, schedule="zb1p", batch=8),
+    dict(model="regressor", pp=4, vp=2, m=8, schedule="zbv", batch=8),
+    dict(model="regressor", pp=4, vp=2, m=8, schedule="dualpipev", batch=16),
+]
+
+FOUR_RANKS_DP2 = [
+    dict(model="regressor", pp=2, m=4, schedule="zb1p", batch=16),
+    dict(model="tied_sum", pp=2, m=3, schedule="zb1p", batch=8),
+    dict(model="regressor", pp=2, vp=2, m=4, schedule="zbv", batch=16, opt="adamw"),
+    dict(model="tied_sum", pp=2, vp=2, m=4, schedule="dualpipev", batch=16),
+]
+
+
+@pytest.mark.timeout(240)
+def test_zero_bubble_two_ranks_match_one_device():
+    per_rank = run_distributed(_pipelined, 2, TWO_RANKS, timeout=200)
+    for i, case in enumerate(TWO_RANKS):
+        _check(case, [r[i] for r in per_rank])
+
+
+@pytest.mark.timeout(240)
+def test_zero_bubble_four_stages_match_one_device():
+    per_rank = run_distributed(_pipelined, 4, FOUR_RANKS_PP4, timeout=200)
+    for i, case in enumerate(FOUR_RANKS_PP4):
+        _check(case, [r[i] for r in per_rank])
+
+
+@pytest.mark.timeout(240)
+def test_zero_bubble_with_data_parallel_matches_one_device():
+    per_rank = run_distributed(_pipelined, 4, FOUR_RANKS_DP2, timeout=200)
+    for i, case in enumerate(FOUR_RANKS_DP2):
+        _check(case, [r[i] for r in per_rank])
+
+
+def _when_weights_accumulate(rank, world, model_kind):
+    """The action kinds during which each parameter's gradient was accumulated, in one zb1p step."""
+    from lightning_pp.runtime import build_pipeline
+    from test_runtime_equivalence import make_batches, make_model
+
+    model = make_model(model_kind)
+    executor = build_pipeline(model, pipeline_parallel_size=2, num_microbatches=4, schedule="zb1p")
+    kinds = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(
+                lambda _p, name=name: kinds.setdefault(name, set()).add(str(executor.position.action.kind)))
+    executor.train_step(make_batches(model_kind, 8)[0])
+    return kinds
+
+
+@pytest.mark.timeout(120)
+def test_weight_gradients_are_computed_at_w():
+    # The point of the split: B sends the input gradient without computing any weight gradient;
+    # every weight gradient is accumulated during a W action (the first stage, whose input needs
+    # no gradient, does its whole backward at W). Reentrant checkpointing cannot split: whole at B.
+    for kind in ("regressor", "reentrant"):
+        first, last = run_distributed(_when_weights_accumulate, 2, kind, timeout=100)
+        assert first and all(k == {"W"} for k in first.values()), f"{kind} rank 0: {first}"
+        assert last, f"{kind} rank 1: no gradient accumulated"
+        if kind == "regressor":
+            assert all(k == {"W"} for k in last.values()), f"{kind} rank 1: {last}"
+        else:  # the checkpointed blocks of the second stage accumulate inside B
+            assert any(k == {"B"} for name, k in last.items() if name.startswith("blocks.")), last
+
+
+MOE = [  # pp 2 x ep 2, with the router's auxiliary losses; the first is the 1F1B baseline
+    dict(pp=2, ep=2, vp=1, m=4, batch=8, schedule="1f1b", aux=0.01, z=0.001),
+    dict(pp=2, ep=2, vp=1, m=4, batch=8, schedule="zb1p", aux=0.01, z=0.001),
+    dict(pp=2, ep=2, vp=2, m=4, batch=8, schedule="zbv", aux=0.01, z=0.001),
+    dict(pp=2, ep=2, vp=2, m=4, batch=8, schedule="dualpipev", aux=0.01, z=0.001),
+    dict(pp=2, ep=2, vp=1, m=4, batch=8, schedule="zb1p"),
+    dict(pp=2, ep=2, vp=2, m=4, batch=8, schedule="dualpipev"),
+]
+
+
+@pytest.mark.timeout(300)
+def test_zero_bubble_moe_with_expert_parallelism_matches():
+    from test_moe import STEPS, _model, _run
+
+    from models import reference_run
+
+    per_rank = run_distributed(_run, 4, MOE, timeout=260)
+    ref_losses, ref_grads, ref_params = reference_run(_model(), token_batches(5, 8, 6, STEPS))
+
+    def merged(index, part):  # a case's gradients (part 1) or parameters (2), from every rank
+        out = {}
+        for results in per_rank:
+            out.update(results[index][part])
+        return out
+
+    base_grads = merged(0, 1)
+    for index, case in enumerate(MOE[1:], start=1):
+        for rank, results in enumerate(per_rank):
+            assert results[index][3]["a2a_waits"] > 0, f"{case} rank {rank}: no expert all-to-all ran"
+        losses, grads, params = per_rank[0][index][0], merged(index, 1), merged(index, 2)
+        if "aux" in case:  # same model as the 1F1B baseline, up to summation order
+            assert losses == pytest.approx(per_rank[0][0][0], rel=1e-10), case
+            assert set(grads) == set(base_grads), case
+            for name, value in grads.items():
+                torch.testing.assert_close(value, base_grads[name], rtol=1e-9, atol=1e-12, msg=f"{name} {case}")
+        else:  # against one process with every expert
+            assert losses == pytest.approx(ref_losses, rel=1e-6), case
+            assert set(params) == set(ref_params), case
+            for name, value in grads.items():
+                torch.testing.assert_close(value, ref_grads[name], rtol=1e-6, atol=1e-10, msg=f"{name} {case}")
+            for name, value in params.items():
+                torch.testing.assert_close(value, ref_params[name], rtol=1e-6, atol=1e-10, msg=f"{name} {case}")
