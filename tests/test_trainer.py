@@ -36,6 +36,7 @@ def _reference(global_batch, **overrides):
 
 def _fit(rank, world, strategy_spec, local_batch, overrides=None):
     from lightning_pp import PipelineStrategy
+    from lightning_pp.runtime import executor_of
 
     os.environ["LOCAL_RANK"] = str(rank)
     torch.manual_seed(0)
@@ -45,7 +46,7 @@ def _fit(rank, world, strategy_spec, local_batch, overrides=None):
     dp = world // strategy.config.dims(world).pp if not isinstance(strategy, str) else 1
     data = loader(local_batch, dp=dp, dp_rank=rank % dp)
     trainer.fit(model, data, data)
-    names = model._lpp_executor.partition.parameter_names
+    names = executor_of(model).partition.parameter_names
     params = {names[id(p)]: p.detach().clone() for p in model.parameters()}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     prog = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
@@ -75,6 +76,15 @@ def _compare(ref, per_rank, rtol=1e-6):
 def test_fit_by_registered_name_equals_single_device():
     ref = _reference(global_batch=8)
     per_rank = run_distributed(_fit, 2, "pp_1f1b", 8, timeout=200)
+    _compare(ref, per_rank)
+
+
+@pytest.mark.timeout(240)
+def test_fit_zero_bubble_v_schedule_by_registered_name_equals_single_device():
+    # pp_zbv: two chunks per rank in a V, backward split into B and a deferred W; with gradient
+    # accumulation and clipping (the clipped norm is taken after every W has run).
+    ref = _reference(global_batch=8)
+    per_rank = run_distributed(_fit, 2, "pp_zbv", 8, timeout=200)
     _compare(ref, per_rank)
 
 

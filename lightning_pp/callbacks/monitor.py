@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_pp.callbacks.analysis import PipelineStats, analyze
 from lightning_pp.callbacks.export import export_png, export_trace, step_file_names
 from lightning_pp.callbacks.records import RankTimeline, gather_spans
+from lightning_pp.runtime import find_executor
 from lightning_pp.runtime.microbatch import batch_size
 from lightning_pp.runtime.timeline import SpanKind
 
@@ -136,7 +137,7 @@ class PipelineMonitor(Callback):
         self._seconds = 0.0
 
     def _find_executor(self, trainer, pl_module):
-        executor = getattr(pl_module, "_lpp_executor", None)
+        executor = find_executor(pl_module)
         if executor is None:
             engine = getattr(trainer.strategy, "engine", None)
             executor = getattr(engine, "executor", None)

@@ -135,10 +135,16 @@ def setup_expert_parallel(partition: Partition, topology: Topology, device: torc
                     sub.setup_expert_parallel(topology.ep_group, topology.ep_rank, topology.ep, device)
 
 
+def find_executor(module: nn.Module) -> Optional[PipelineExecutor]:
+    """The executor that runs ``module`` on this rank, or ``None`` if it is not pipelined (a
+    Fabric-wrapped module is looked through)."""
+    return getattr(module, "_forward_module", module).__dict__.get("_lpp_executor")
+
+
 def executor_of(module: nn.Module) -> PipelineExecutor:
     """The executor that runs ``module`` on this rank (after ``build_pipeline``, or a strategy's
     setup), e.g. for ``capture_step`` or ``executor.timeline``."""
-    executor = getattr(module, "_forward_module", module).__dict__.get("_lpp_executor")
+    executor = find_executor(module)
     if executor is None:
         raise ValueError(f"{type(module).__name__} is not pipelined on this rank: build_pipeline (or the "
                          f"strategy's setup) has not run on it.")
@@ -146,6 +152,7 @@ def executor_of(module: nn.Module) -> PipelineExecutor:
 
 
 __all__ = [
+    "find_executor",
     "BATCH_CHECKS",
     "BatchCheck",
     "BatchMismatchError",

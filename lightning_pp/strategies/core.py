@@ -10,7 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.runtime import PipelineExecutor, StepResult, build_pipeline, build_topology, check_protocol
+from lightning_pp.runtime import (
+    PipelineExecutor,
+    StepResult,
+    build_pipeline,
+    build_topology,
+    check_protocol,
+    find_executor,
+)
 from lightning_pp.runtime.config import DEFAULT_TIMEOUT as DEFAULT_PIPELINE_TIMEOUT  # noqa: F401  (re-exported)
 from lightning_pp.runtime.config import PipelineConfig
 from lightning_pp.runtime.grads import clip_grad_norm_, grad_norm
@@ -82,7 +89,7 @@ class PipelineEngine:
 
     def setup_module(self, module: nn.Module, device: torch.device) -> PipelineExecutor:
         """Cut ``module`` for this rank (once; a module already cut is reused)."""
-        existing = getattr(module, "_lpp_executor", None)
+        existing = find_executor(module)
         if existing is not None:
             self.executor = existing
             return existing

@@ -26,6 +26,7 @@ from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_pp.runtime import executor_of
 from lightning_pp.runtime.failure import WatchdogConfig
 from lightning_pp.runtime.meta import has_meta_tensors
 from lightning_pp.strategies import checkpoint as ckpt
@@ -163,7 +164,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         """Forward and backward of every microbatch of ``batch`` through the pipeline; gradients are
         added to ``.grad`` (zero them yourself, as with ``loss.backward()``). Returns the batch loss
         on every rank."""
-        executor = _unwrap(module)._lpp_executor
+        executor = executor_of(module)
         self.engine.executor = executor
         with self.precision.forward_context():
             result = self.engine.train_step(self.precision.convert_input(batch))
@@ -173,7 +174,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     def pipeline_eval(self, module: nn.Module, batch: Any, collect_outputs: bool = False) -> Any:
         """Forward-only pass: the batch loss, or (with ``collect_outputs``) the last stage's
         outputs gathered on every rank."""
-        executor = _unwrap(module)._lpp_executor
+        executor = executor_of(module)
         with self.precision.forward_context():
             result = executor.eval_step(self.precision.convert_input(batch), compute_loss=not collect_outputs,
                                         collect_outputs=collect_outputs)
@@ -207,7 +208,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
                 shards[key] = ckpt.optimizer_state(module, obj)
             else:
                 meta[key] = obj
-        meta[ckpt.LAYOUT_KEY] = ckpt.layout_of(module._lpp_executor)
+        meta[ckpt.LAYOUT_KEY] = ckpt.layout_of(executor_of(module))
         ckpt.save(path, shards, meta)
 
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
@@ -234,7 +235,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
                     shards[key] = _unwrap(obj).state_dict()
                 elif isinstance(obj, Optimizer):
                     shards[key] = ckpt.OptimizerShard(module, obj)
-            meta = ckpt.load(path, shards, layout=ckpt.layout_of(module._lpp_executor))
+            meta = ckpt.load(path, shards, layout=ckpt.layout_of(executor_of(module)))
         meta.pop(ckpt.LAYOUT_KEY, None)
         for key in list(meta):
             if key in state and not isinstance(state[key], (nn.Module, Optimizer)):

@@ -33,6 +33,8 @@ from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_pp.runtime import find_executor
+
 PARAM_ORDER_RULE = (
     "A checkpoint's optimizer state is matched to parameters by position, as on one device: "
     "configure_optimizers must build the same parameter groups, each listing its parameters in the "
@@ -62,7 +64,7 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 def _canonical_names(module: nn.Module) -> tuple[dict[int, str], list[str]]:
     """(id(param) -> canonical name for this rank's parameters of the uncut model, the canonical
     names of every parameter of the uncut model in ``module.parameters()`` order)."""
-    executor = getattr(module, "_lpp_executor", None)
+    executor = find_executor(module)
     if executor is None:  # not cut: the module is the whole model
         names: dict[int, str] = {}
         for name, p in module.named_parameters():
