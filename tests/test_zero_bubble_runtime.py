@@ -22,6 +22,8 @@ TWO_RANKS = [
     dict(model="reentrant", pp=2, m=4, schedule="zb1p", batch=8),
     dict(model="regressor", pp=2, m=4, schedule="zb1p", batch=8, ac=True),
     dict(model="regressor", pp=2, m=4, schedule="zb1p", batch=3),  # short batch: fewer microbatches
+    dict(model="regressor", pp=2, vp=2, m=4, schedule="zb1p", batch=8),  # interleaved ZB-H1
+    dict(model="tied_sum", pp=2, vp=2, m=6, schedule="zb1p", batch=12),
     dict(model="regressor", pp=2, vp=2, m=4, schedule="zbv", batch=8),
     dict(model="regressor", pp=2, vp=2, m=5, schedule="zbv", batch=11),
     dict(model="tied", pp=2, vp=2, m=4, schedule="zbv", batch=8),  # embedding and head both on rank 0
