@@ -88,6 +88,13 @@ class PipelineConfig:
         checkpointed_layers([], self.activation_checkpointing)  # the policy's form; its layers at the cut
         if self.pipeline_parallel_size is not None:
             self.schedule_config  # validates the schedule with its sizes  # noqa: B018
+        else:  # the sizes that need no pipeline size; the rest when the world size is known (resolve)
+            fixes = {"expert_parallel_size": "1 for no expert parallelism", "virtual_pipeline_size": "1 (one chunk per rank)",
+                     "num_microbatches": "2 * pipeline_parallel_size", "microbatch_group_size": "None (the pipeline size)"}
+            for name, fix in fixes.items():
+                value = getattr(self, name)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer (>= 1). Use e.g. {fix}.")
 
     @property
     def schedule_config(self) -> ScheduleConfig:

@@ -4,6 +4,7 @@ building the pipeline, logging from the last stage, gradient clipping, predictio
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -55,6 +56,21 @@ class LogRecorder:
         out = {name: (total / weight, kwargs) for name, (total, weight, kwargs) in self.entries.items() if weight > 0}
         self.entries = {}
         return out
+
+
+#: Strategy constructor arguments whose PipelineConfig field has another name (the strategies'
+#: own ``timeout`` is the process group's, as in Lightning's DDP strategy).
+_RENAMED = {"pipeline_timeout": "timeout", "pipeline_watchdog": "watchdog"}
+
+
+def config_from_arguments(arguments: dict) -> PipelineConfig:
+    """The :class:`PipelineConfig` of a strategy's constructor arguments (pass ``locals()``):
+    every PipelineConfig field by its name, ``pipeline_timeout`` and ``pipeline_watchdog`` for
+    ``timeout`` and ``watchdog``. Every check that needs no world size runs here."""
+    fields = {f.name for f in dataclasses.fields(PipelineConfig)} - set(_RENAMED.values())
+    chosen = {name: value for name, value in arguments.items() if name in fields}
+    chosen.update({field: arguments[name] for name, field in _RENAMED.items()})
+    return PipelineConfig(**chosen)
 
 
 class PipelineEngine:

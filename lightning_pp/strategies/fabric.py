@@ -30,8 +30,7 @@ from lightning_pp.runtime import executor_of
 from lightning_pp.runtime.failure import WatchdogConfig
 from lightning_pp.runtime.meta import has_meta_tensors
 from lightning_pp.strategies import checkpoint as ckpt
-from lightning_pp.runtime.config import PipelineConfig
-from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineStrategyMixin
+from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineStrategyMixin, config_from_arguments
 
 ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe", "zb1p", "zbv", "dualpipev"]
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
@@ -86,13 +85,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.config = PipelineConfig(
-            pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size,
-            virtual_pipeline_size=virtual_pipeline_size, num_microbatches=num_microbatches, schedule=schedule,
-            layout=layout, microbatch_group_size=microbatch_group_size, timeout=pipeline_timeout,
-            nonfinite=nonfinite, watchdog=pipeline_watchdog, activation_checkpointing=activation_checkpointing,
-            static_shapes=static_shapes, check_batches=check_batches, broadcast_batches=broadcast_batches,
-        )  # every check that needs no world size, here in the constructor
+        self.config = config_from_arguments(locals())  # checked here, in the constructor
         self.engine = PipelineEngine(self.config)
         self._backward_sync_control = None
 

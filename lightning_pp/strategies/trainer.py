@@ -35,8 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pp.runtime.failure import WatchdogConfig
 from lightning_pp.strategies import checkpoint as ckpt
-from lightning_pp.runtime.config import PipelineConfig
-from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineStrategyMixin
+from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineStrategyMixin, config_from_arguments
 from lightning_pp.strategies.loops import (
     _PipelineAutomaticOptimization,
     len_of,
@@ -128,13 +127,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.config = PipelineConfig(
-            pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size,
-            virtual_pipeline_size=virtual_pipeline_size, num_microbatches=num_microbatches, schedule=schedule,
-            layout=layout, microbatch_group_size=microbatch_group_size, timeout=pipeline_timeout,
-            nonfinite=nonfinite, watchdog=pipeline_watchdog, activation_checkpointing=activation_checkpointing,
-            static_shapes=static_shapes, check_batches=check_batches, broadcast_batches=broadcast_batches,
-        )  # every check that needs no world size, here in the constructor
+        self.config = config_from_arguments(locals())  # checked here, in the constructor
         self.engine = PipelineEngine(self.config)
         self._last_step_skipped = False
 
