@@ -15,7 +15,7 @@ from lightning_pp.runtime import (
     resolve_layout,
     split_microbatches,
 )
-from lightning_pp.runtime.executor import normalise_loss
+from lightning_pp.runtime.loss import normalise_loss
 from lightning_pp.runtime.p2p import decode_header, encode_header
 from models import TiedLM, ToyRegressor
 

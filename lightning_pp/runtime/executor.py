@@ -28,20 +28,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_pp.runtime.config import (  # noqa: F401  (re-exported: their historical home)
-    BATCH_CHECKS,
-    DEFAULT_TIMEOUT,
-    NONFINITE_POLICIES,
-    BatchCheck,
-    NonFinitePolicy,
-    PipelineConfig,
-    check_batch_policy,
-    check_nonfinite_policy,
-)
+from lightning_pp.runtime.config import PipelineConfig
 from lightning_pp.runtime.failure import Diagnosis, FailureBoard, NonFiniteError, Position, watchdog_for
 from lightning_pp.runtime.grads import GradientSync
 from lightning_pp.runtime.guard import StepGuard
-from lightning_pp.runtime.loss import StepEnd, normalise_loss  # noqa: F401  (normalise_loss: re-exported)
+from lightning_pp.runtime.loss import StepEnd
 from lightning_pp.runtime.microbatch import batch_fingerprint, batch_size, broadcast_batch, split_microbatches
 from lightning_pp.runtime.p2p import PointToPoint
 from lightning_pp.runtime.partition import Partition, default_pipeline_inputs
