@@ -14,6 +14,14 @@ What the figure includes: saved activations, the received and sent stage tensors
 temporaries of forward/backward; not parameters, optimizer state or gradients (resident from the
 warm-up step when the counter is reset).
 
+``--diagnose-sends`` adds a diagnostic variant, ``ours_sends_waited``: ours with the runtime's
+pending sends waited for (and their buffers dropped) as soon as two newer sends are queued,
+patched into ``PointToPoint._reap_sends`` inside the benchmark's processes. On gloo a send's
+``is_completed()`` stays False until ``wait()`` is called, so the runtime holds every sent
+activation and input gradient of a step until ``PointToPoint.finish``; the variant measures what
+that costs (BENCHMARKS.md, "Peak memory"). Not a supported mode: it blocks on sends, which the
+runtime avoids by design.
+
 The 1F1B bound: rank ``r`` holds at most ``min(pp - r, m)`` microbatches of its stage's saved
 activations. One microbatch's saved activations are counted exactly with
 ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages) on a single-process forward of
@@ -45,11 +53,26 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _wait_for_sends_early(keep: int = 2) -> None:
+    """Diagnostic (``--diagnose-sends``): make the runtime wait for its pending sends, all but the
+    newest ``keep``, at every send, so that a sent buffer is dropped soon after its receiver has it."""
+    from lightning_pp.runtime.p2p import PointToPoint
+
+    def reap(self) -> None:
+        for work, *_ in self.pending_sends[:-keep]:
+            work.wait()
+        self.pending_sends = self.pending_sends[-keep:]
+
+    PointToPoint._reap_sends = reap
+
+
 def _measure(rank: int, world: int, cfg: dict, impl_name: str) -> dict:
     import torch
 
     from lightning_pp.runtime import build_topology
 
+    if impl_name == "ours_sends_waited":
+        _wait_for_sends_early()
     topology = build_topology(world)
     ours = peer._Ours(cfg, "1f1b", topology, activation_checkpointing=impl_name == "ours_checkpointed")
     impl = ours if impl_name.startswith("ours") else peer._Torch(cfg, "1f1b", ours.layout, rank)
@@ -104,10 +127,13 @@ def run(args: Any = None) -> dict:
                steps=2 if args.quick else args.steps)
     world = peer.WORLD_SIZE
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
-    measured = {name: [r["peak_added_mb"] for r in launch(_measure, world, cfg, name, timeout=600)]
-                for name in ("ours", "torch", "ours_checkpointed")}
+    names = ["ours", "torch", "ours_checkpointed"] + (["ours_sends_waited"] if getattr(args, "diagnose_sends", False) else [])
+    measured = {name: [r["peak_added_mb"] for r in launch(_measure, world, cfg, name, timeout=600)] for name in names}
     bound = _activation_bound(cfg, world)
-    return {
+    extra = {}
+    if "ours_sends_waited" in measured:
+        extra["peak_memory_ratio_vs_torch_sends_waited"] = max(measured["ours_sends_waited"]) / max(measured["torch"])
+    return extra | {
         "config": {k: cfg[k] for k in ("hidden", "blocks", "batch", "microbatches", "steps")},
         "peak_added_mb": measured,
         "bound_1f1b_mb": bound,
@@ -127,6 +153,10 @@ def format_report(res: dict) -> str:
     lines += [f"peak_memory_ratio_vs_torch: {res['peak_memory_ratio_vs_torch']:.3f}",
               f"peak_memory_over_1f1b_bound: {res['peak_memory_over_1f1b_bound']:.3f}",
               f"peak_memory_checkpointed_over_plain: {res['peak_memory_checkpointed_over_plain']:.3f}"]
+    if "ours_sends_waited" in peaks:
+        lines += ["diagnostic, ours with sends waited early (MB per rank): "
+                  + " / ".join(f"{v:.2f}" for v in peaks["ours_sends_waited"]),
+                  f"peak_memory_ratio_vs_torch_sends_waited: {res['peak_memory_ratio_vs_torch_sends_waited']:.3f}"]
     return "\n".join(lines)
 
 
@@ -137,6 +167,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--diagnose-sends", dest="diagnose_sends", action="store_true",
+                   help="also measure ours with pending sends waited early (a diagnostic patch, see above)")
     return p.parse_args(argv)
 
 

@@ -1,14 +1,26 @@
-"""Side-by-side step time: lightning_pp's pipeline runtime vs ``torch.distributed.pipelining``.
+"""Side-by-side step time: lightning_pp's pipeline runtime vs ``torch.distributed.pipelining``,
+for every schedule torch has.
 
 Both implementations train the same model (input linear, ``--blocks`` residual MLP blocks,
 output linear; float32) on the same 2 gloo processes, with the same batch, the same microbatch
-count, the same layer-to-stage layout and the same initial weights:
+count, the same layer-to-stage layout and the same initial weights. Per schedule (``SPECS``):
 
 * ``1f1b``:        ours ``schedule="1f1b"``, vp=1  vs  torch ``Schedule1F1B``, one ``PipelineStage`` per rank;
-* ``interleaved``: ours ``schedule="interleaved"``, vp=2  vs  torch ``ScheduleInterleaved1F1B``
-  with 2 stages per rank. Both place virtual stage ``s`` on rank ``s % pp`` (ours: local chunk
-  ``s // pp``; torch: its default "loop" placement), and both use Megatron's order (groups of
-  ``pp`` microbatches, warm-up ``2 * (pp - r - 1) + (vp - 1) * pp``).
+* ``interleaved``: ours ``schedule="interleaved"``, vp=2  vs  ``ScheduleInterleaved1F1B``, 2 stages per rank;
+* ``zb1p``:        ours ``schedule="zb1p"``, vp=1 (ZB-H1)  vs  ``ScheduleInterleavedZeroBubble`` with one
+  stage per rank;
+* ``zb1p_vp2``:    ours ``schedule="zb1p"``, vp=2  vs  ``ScheduleInterleavedZeroBubble``, 2 stages per rank;
+* ``zbv``:         ours ``schedule="zbv"``  vs  ``ScheduleZBVZeroBubble`` (V placement: rank ``r`` holds
+  stages ``r`` and ``2 * pp - 1 - r``);
+* ``dualpipev``:   ours ``schedule="dualpipev"``  vs  ``ScheduleDualPipeV`` (V placement; needs
+  ``microbatches >= 2 * pp``).
+
+The loop schedules place virtual stage ``s`` on rank ``s % pp`` in both (ours: local chunk
+``s // pp``; torch: its default "loop" placement); our tables equal torch's action for action
+(the zero-bubble ones with torch's default grouping). Layout: every virtual stage holds
+``blocks / stages`` blocks (extras spread over the ranks), the input linear rides on the first
+stage and the output linear on the last, so every rank has the same work under either placement
+(8 blocks: ``[5, 5]`` for one stage per rank, ``[3, 2, 2, 3]`` for two).
 
 Loss: mean MSE per microbatch. Torch (``scale_grads=True``) divides the summed gradients by the
 microbatch count; ours weights each microbatch's mean by its sample count and divides by the
@@ -19,7 +31,11 @@ the losses (1e-4 relative) and every local gradient are compared; a mismatch abo
 A timed step is ``zero_grad`` + forward/backward of every microbatch + ``SGD.step``, measured with
 ``time.perf_counter`` after a barrier; the step time is the maximum over ranks. The two
 implementations alternate in blocks of ``--block-size`` steps (ours first in even rounds, torch
-first in odd ones) so that background noise on the machine hits both.
+first in odd ones) so that background noise on the machine hits both. Schedules run one after
+the other in the same processes. Then our fastest schedule and torch's fastest (by those medians)
+run once more, head to head in alternating blocks: ``ratio_best_vs_torch_best`` is the ratio of
+their medians there (``..._across``: the same from the per-schedule medians, taken up to minutes
+apart).
 
 Shared machines: during every step rank 0 also reads the machine's busy CPU time from
 ``/proc/stat`` (incl. hypervisor steal) and subtracts both ranks' own CPU time; a step during
@@ -31,12 +47,14 @@ all-steps figures the report gives the medians and ratio over uncontended steps 
 
 Usage::
 
-    python benchmarks/bench_vs_torch.py                       # hidden 512, both schedules
+    python benchmarks/bench_vs_torch.py                       # hidden 512, every schedule
     python benchmarks/bench_vs_torch.py --hidden 1024 --schedule 1f1b
+    python benchmarks/bench_vs_torch.py --schedule zb1p,zbv,dualpipev
     python benchmarks/bench_vs_torch.py --quick               # smoke test
 
-Prints a table and ``name: value`` lines (``ratio_vs_torch_1f1b: <float>`` ...). ``run(args)``
-returns the same figures as a dict for ``benchmarks/run_all.py``.
+Prints a table and ``name: value`` lines (``ratio_vs_torch_1f1b: <float>`` ...,
+``ratio_best_vs_torch_best``). ``run(args)`` returns the same figures as a dict for
+``benchmarks/run_all.py``.
 """
 
 from __future__ import annotations
@@ -62,18 +80,31 @@ DEFAULTS = {
     "steps": 30,
     "warmup": 3,
     "block_size": 2,
-    "schedule": "both",
+    "schedule": "all",
     "quick": False,
     "lr": 1e-3,
     "seed": 0,
-    "timeout": 1200.0,
+    "timeout": 1800.0,
     "wait_quiet": 60.0,
     "min_clean": 0,
     "max_steps": None,  # default 10 * steps
 }
 QUICK = {"steps": 6, "warmup": 1, "block_size": 1}
-SCHEDULES = ("1f1b", "interleaved")
-VP = {"1f1b": 1, "interleaved": 2}
+# --dry-run: every code path (equivalence check included) on a tiny model, one step; no figure means anything.
+DRY_RUN = {"hidden": 32, "blocks": 4, "ffn_mult": 2, "batch": 8, "microbatches": 4, "steps": 1, "warmup": 0,
+           "block_size": 1, "wait_quiet": 0.0, "timeout": 300.0}
+# name -> (our schedule, virtual stages per rank, torch's schedule class, stage placement)
+SPECS = {
+    "1f1b": ("1f1b", 1, "Schedule1F1B", "loop"),
+    "interleaved": ("interleaved", 2, "ScheduleInterleaved1F1B", "loop"),
+    "zb1p": ("zb1p", 1, "ScheduleInterleavedZeroBubble", "loop"),
+    "zb1p_vp2": ("zb1p", 2, "ScheduleInterleavedZeroBubble", "loop"),
+    "zbv": ("zbv", 2, "ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("dualpipev", 2, "ScheduleDualPipeV", "v"),
+}
+SCHEDULES = tuple(SPECS)
+GROUPS = {"all": SCHEDULES, "both": ("1f1b", "interleaved")}  # "both": the two schedules of earlier runs
+VP = {name: spec[1] for name, spec in SPECS.items()}
 CONTENDED = 0.25  # a step during which other processes used more than this many cores is "contended"
 LOSS_RTOL = 1e-4
 GRAD_RTOL = 1e-3  # float32, same ops in the same order per microbatch; the sum over microbatches may differ in order
@@ -126,6 +157,31 @@ def _mse(output, target):
     return F.mse_loss(output, target)
 
 
+def stage_layout(cfg: dict, schedule: str) -> list[int]:
+    """Layers per virtual stage for ``schedule``: ``blocks / stages`` blocks each, the extras one
+    per rank in turn (chunk 0 of every rank first), the input linear on the first stage and the
+    output linear on the last. Under either placement every rank then holds the same blocks."""
+    from lightning_pp.schedules import virtual_stage
+
+    _, vp, _, placement = SPECS[schedule]
+    num_stages = WORLD_SIZE * vp
+    base, extra = divmod(cfg["blocks"], num_stages)
+    counts = [base] * num_stages
+    for stage in [virtual_stage(r, c, WORLD_SIZE, placement) for c in range(vp) for r in range(WORLD_SIZE)][:extra]:
+        counts[stage] += 1
+    counts[0] += 1
+    counts[-1] += 1
+    return counts
+
+
+def local_stages(schedule: str, rank: int) -> list[int]:
+    """The virtual stages ``rank`` holds, in local chunk order (the same in both implementations)."""
+    from lightning_pp.schedules import virtual_stage
+
+    _, vp, _, placement = SPECS[schedule]
+    return [virtual_stage(rank, chunk, WORLD_SIZE, placement) for chunk in range(vp)]
+
+
 # -- the two implementations on one rank ------------------------------------------------------
 class _Ours:
     name = "ours"
@@ -134,13 +190,15 @@ class _Ours:
         import torch
         from lightning_pp.runtime import build_pipeline
 
+        ours, vp, _, _ = SPECS[schedule]
         model = _make_model(cfg)
         self.executor = build_pipeline(
             model,
             pipeline_parallel_size=WORLD_SIZE,
-            virtual_pipeline_size=VP[schedule],
+            virtual_pipeline_size=vp,
             num_microbatches=cfg["microbatches"],
-            schedule=schedule,
+            schedule=ours,
+            layout=stage_layout(cfg, schedule),
             topology=topology,
             activation_checkpointing=activation_checkpointing,
         )
@@ -166,28 +224,27 @@ class _Torch:
     def __init__(self, cfg: dict, schedule: str, layout: list[int], rank: int):
         import torch
         from torch import nn
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+        from torch.distributed import pipelining
 
-        vp = VP[schedule]
+        _, vp, class_name, _ = SPECS[schedule]
         num_stages = WORLD_SIZE * vp
         if len(layout) != num_stages:
             raise AssertionError(f"layout {layout} does not have {num_stages} stages")
         layers = _make_model(cfg).pipeline_layers()
         starts = [sum(layout[:s]) for s in range(num_stages)]
-        # Torch's loop placement: stage s on rank s % pp, the same as ours.
-        local = [chunk * WORLD_SIZE + rank for chunk in range(vp)]
+        local = local_stages(schedule, rank)
         self.stage_modules = {s: nn.Sequential(*layers[starts[s] : starts[s] + layout[s]]) for s in local}
+        # Torch's multi-stage schedules set the V schedules' stage-to-rank map on the stages.
         self.stages = [
-            PipelineStage(self.stage_modules[s], s, num_stages, torch.device("cpu")) for s in local
+            pipelining.PipelineStage(self.stage_modules[s], s, num_stages, torch.device("cpu")) for s in local
         ]
         self.stage_params = {s: list(m.parameters()) for s, m in self.stage_modules.items()}
         self.params = [p for ps in self.stage_params.values() for p in ps]
         self.opt = torch.optim.SGD(self.params, lr=cfg["lr"])
         self.n_mb = cfg["microbatches"]
-        if schedule == "1f1b":
-            self.schedule = Schedule1F1B(self.stages[0], self.n_mb, loss_fn=_mse, scale_grads=True)
-        else:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, self.n_mb, loss_fn=_mse, scale_grads=True)
+        schedule_class = getattr(pipelining, class_name)
+        stages = self.stages[0] if class_name == "Schedule1F1B" else self.stages
+        self.schedule = schedule_class(stages, self.n_mb, loss_fn=_mse, scale_grads=True)
         self.is_first = 0 in local
         self.is_last = num_stages - 1 in local
 
@@ -300,11 +357,8 @@ def _check_equivalence(ours: _Ours, theirs: _Torch, batch, rank: int) -> dict:
     return {"loss_ours": loss_ours, "loss_torch": loss_torch, "loss_rel_diff": rel, "grad_rel_diff": worst}
 
 
-def _bench_schedule(cfg: dict, schedule: str, topology, batch, rank: int) -> dict:
-    ours = _Ours(cfg, schedule, topology)
-    theirs = _Torch(cfg, schedule, ours.layout, rank)
-    check = _check_equivalence(ours, theirs, batch, rank)
-    impls = (ours, theirs)
+def _alternate(cfg: dict, impls: tuple, batch, rank: int) -> dict:
+    """Time ``impls`` (ours, torch) in alternating blocks after ``warmup`` steps of each."""
     for _ in range(cfg["warmup"]):
         for impl in impls:
             _timed_step(impl, batch, rank)
@@ -330,7 +384,27 @@ def _bench_schedule(cfg: dict, schedule: str, topology, batch, rank: int) -> dic
             foreign[impl.name].extend(f for _, f in block)
             blocks.append((r, impl.name, [t for t, _ in block]))
         r += 1
-    return {"layout": ours.layout, "check": check, "times": times, "foreign": foreign, "blocks": blocks}
+    return {"times": times, "foreign": foreign, "blocks": blocks}
+
+
+def _bench_schedule(cfg: dict, schedule: str, topology, batch, rank: int) -> dict:
+    ours = _Ours(cfg, schedule, topology)
+    theirs = _Torch(cfg, schedule, ours.layout, rank)
+    check = _check_equivalence(ours, theirs, batch, rank)
+    return {"layout": ours.layout, "check": check} | _alternate(cfg, (ours, theirs), batch, rank)
+
+
+def _head_to_head(cfg: dict, results: dict, topology, batch, rank: int) -> dict:
+    """Our fastest schedule (by the medians of the per-schedule runs) against torch's fastest, in
+    alternating blocks like one schedule: ``ratio_best_vs_torch_best`` from steps taken side by
+    side, not from medians taken minutes apart (and without the bias of picking the smallest of
+    several noisy medians). The times are all-reduced, so every rank picks the same two."""
+    best = {name: min(results, key=lambda s, n=name: statistics.median(results[s]["times"][n])) for name in ("ours", "torch")}
+    ours = _Ours(cfg, best["ours"], topology)
+    theirs = _Torch(cfg, best["torch"], stage_layout(cfg, best["torch"]), rank)
+    for impl in (ours, theirs):  # torch infers its stage shapes in its first step
+        impl.step(batch)
+    return {"best": best} | _alternate(cfg, (ours, theirs), batch, rank)
 
 
 def _measure(rank: int, world: int, cfg: dict) -> dict:
@@ -344,7 +418,10 @@ def _measure(rank: int, world: int, cfg: dict) -> dict:
         torch.randn(cfg["batch"], cfg["hidden"], generator=g),
         torch.randn(cfg["batch"], cfg["hidden"], generator=g),
     )
-    return {s: _bench_schedule(cfg, s, topology, batch, rank) for s in cfg["schedules"]}
+    results = {s: _bench_schedule(cfg, s, topology, batch, rank) for s in cfg["schedules"]}
+    if len(results) > 1:
+        results["head_to_head"] = _head_to_head(cfg, results, topology, batch, rank)
+    return results
 
 
 def _wait_quiet(max_wait: float, window: float = 2.0, threshold: float = 0.15) -> Optional[float]:
@@ -388,6 +465,15 @@ def _summary(times_s: list[float]) -> dict:
     }
 
 
+def _schedule_list(spec: str) -> list[str]:
+    """``all``, ``both`` (1f1b and interleaved) or a comma-separated list of ``SCHEDULES``."""
+    names = list(GROUPS[spec]) if spec in GROUPS else [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SPECS]
+    if unknown or not names:
+        raise ValueError(f"schedule={spec!r}: use 'all', 'both' or a comma-separated list of {SCHEDULES}")
+    return names
+
+
 def _config(args: Any) -> dict:
     if args is None:
         cfg = {}
@@ -395,19 +481,19 @@ def _config(args: Any) -> dict:
         cfg = dict(args)
     else:
         cfg = {k: v for k, v in vars(args).items() if v is not None}
-    unknown = set(cfg) - set(DEFAULTS)
+    unknown = set(cfg) - set(DEFAULTS) - {"dry_run"}
     if unknown:
         raise ValueError(f"unknown benchmark options {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     quick = bool(cfg.get("quick", False))
     merged = dict(DEFAULTS)
     if quick:
         merged.update(QUICK)
+    if cfg.pop("dry_run", False):
+        merged.update(DRY_RUN)
     merged.update(cfg)
-    if merged["schedule"] not in (*SCHEDULES, "both"):
-        raise ValueError(f"schedule={merged['schedule']!r}: use one of {SCHEDULES} or 'both'")
+    merged["schedules"] = _schedule_list(merged["schedule"])
     if merged["max_steps"] is None:
         merged["max_steps"] = 10 * merged["steps"]
-    merged["schedules"] = list(SCHEDULES) if merged["schedule"] == "both" else [merged["schedule"]]
     if merged["batch"] % merged["microbatches"] != 0:
         raise ValueError(
             f"batch={merged['batch']} is not divisible by microbatches={merged['microbatches']}: equal "
@@ -415,8 +501,11 @@ def _config(args: Any) -> dict:
         )
     if merged["microbatches"] < WORLD_SIZE:
         raise ValueError(f"microbatches={merged['microbatches']} must be >= {WORLD_SIZE} (pipeline size)")
-    if merged["blocks"] + 2 < WORLD_SIZE * 2 and "interleaved" in merged["schedules"]:
-        raise ValueError("the interleaved schedule needs blocks + 2 >= 4 layers")
+    if "dualpipev" in merged["schedules"] and merged["microbatches"] < 2 * WORLD_SIZE:
+        raise ValueError(f"dualpipev needs microbatches >= {2 * WORLD_SIZE} (2 * pipeline size)")
+    if merged["blocks"] < WORLD_SIZE * max(VP[s] for s in merged["schedules"]):
+        raise ValueError(f"blocks={merged['blocks']}: every virtual stage needs a block; use blocks >= "
+                         f"{WORLD_SIZE * max(VP[s] for s in merged['schedules'])}")
     for key in ("steps", "block_size", "hidden", "blocks", "batch", "ffn_mult"):
         if merged[key] < 1:
             raise ValueError(f"{key}={merged[key]} must be >= 1")
@@ -451,7 +540,8 @@ def run(args: Any = None) -> dict:
     ``args``: an ``argparse.Namespace`` from :func:`parse_args`, a dict of options (keys of
     ``DEFAULTS``), or None for the defaults. The result holds, per schedule ``s`` run,
     ``ratio_vs_torch_<s>``, ``median_ms_{ours,torch}_<s>``, ``iqr_ms_{ours,torch}_<s>``, the
-    step-1 check, plus ``config`` and the raw ``times_ms``.
+    step-1 check, plus ``config`` and the raw ``times_ms``; over all schedules run,
+    ``best_ours``, ``best_torch`` and ``ratio_best_vs_torch_best``.
     """
     import torch
 
@@ -494,8 +584,38 @@ def run(args: Any = None) -> dict:
         out[f"summary_{s}"] = {"ours": ours, "torch": theirs, "layout": res["layout"], "check": res["check"]}
         out["times_ms"][s] = {k: [t * 1e3 for t in v] for k, v in res["times"].items()}
         out.setdefault("foreign_cores", {})[s] = res["foreign"]
+    _best_of_each(out, raw, cfg["schedules"])
     out["wall_s"] = time.monotonic() - started
     return out
+
+
+def _best_of_each(out: dict, raw: dict, schedules: list[str]) -> None:
+    """``ratio_best_vs_torch_best``: our fastest schedule against torch's fastest, from their
+    head-to-head run (see ``_head_to_head``); ``..._across`` is the same from the per-schedule
+    medians (and ``clean_...`` over the uncontended steps where every schedule has them)."""
+    for prefix in ("", "clean_"):
+        if not all(f"{prefix}median_ms_ours_{s}" in out for s in schedules):
+            continue
+        best = {name: min(schedules, key=lambda s, n=name: out[f"{prefix}median_ms_{n}_{s}"]) for name in ("ours", "torch")}
+        out[f"{prefix}best_ours_across"], out[f"{prefix}best_torch_across"] = best["ours"], best["torch"]
+        out[f"{prefix}ratio_best_vs_torch_best_across"] = (
+            out[f"{prefix}median_ms_ours_{best['ours']}"] / out[f"{prefix}median_ms_torch_{best['torch']}"]
+        )
+    if "head_to_head" not in raw:
+        out["best_ours"], out["best_torch"] = out["best_ours_across"], out["best_torch_across"]
+        out["ratio_best_vs_torch_best"] = out["ratio_best_vs_torch_best_across"]
+        return
+    h = raw["head_to_head"]
+    ours, theirs = _summary(h["times"]["ours"]), _summary(h["times"]["torch"])
+    by_round: dict[int, dict[str, float]] = {}
+    for r, name, block in h["blocks"]:
+        by_round.setdefault(r, {})[name] = statistics.median(block)
+    out["best_ours"], out["best_torch"] = h["best"]["ours"], h["best"]["torch"]
+    out["head_to_head"] = {"ours": ours, "torch": theirs}
+    out["ratio_best_vs_torch_best"] = ours["median"] / theirs["median"]
+    out["paired_ratio_best_vs_torch_best"] = statistics.median(
+        v["ours"] / v["torch"] for v in by_round.values() if len(v) == 2)
+    out["contended_steps_head_to_head"] = sum(f >= CONTENDED for v in h["foreign"].values() for f in v)
 
 
 def format_report(result: dict) -> str:
@@ -558,6 +678,21 @@ def format_report(result: dict) -> str:
         ):
             if key in result:
                 lines.append(f"{key}: {result[key]:.4f}" if isinstance(result[key], float) else f"{key}: {result[key]}")
+    for prefix in ("clean_", ""):
+        if f"{prefix}ratio_best_vs_torch_best_across" in result:
+            lines.append(f"by the medians above: {prefix}best_ours_across {result[f'{prefix}best_ours_across']}, "
+                         f"{prefix}best_torch_across {result[f'{prefix}best_torch_across']}, "
+                         f"{prefix}ratio_best_vs_torch_best_across: {result[f'{prefix}ratio_best_vs_torch_best_across']:.4f}")
+    if "head_to_head" in result:
+        h = result["head_to_head"]
+        lines.append(f"head to head, alternating: ours {result['best_ours']} {h['ours']['median']:.2f} ms (IQR "
+                     f"{h['ours']['iqr']:.2f}) vs torch {result['best_torch']} {h['torch']['median']:.2f} ms (IQR "
+                     f"{h['torch']['iqr']:.2f}), {result['contended_steps_head_to_head']}/"
+                     f"{h['ours']['n'] + h['torch']['n']} steps contended")
+        lines.append(f"paired_ratio_best_vs_torch_best: {result['paired_ratio_best_vs_torch_best']:.4f}")
+    lines.append(f"best_ours: {result['best_ours']}")
+    lines.append(f"best_torch: {result['best_torch']}")
+    lines.append(f"ratio_best_vs_torch_best: {result['ratio_best_vs_torch_best']:.4f}")
     return "\n".join(lines)
 
 
@@ -573,8 +708,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help=f"warm-up steps per implementation (default {DEFAULTS['warmup']})")
     p.add_argument("--block-size", dest="block_size", type=int, help=f"steps per alternation block "
                    f"(default {DEFAULTS['block_size']})")
-    p.add_argument("--schedule", choices=(*SCHEDULES, "both"), help="default both")
+    p.add_argument("--schedule", help=f"'all' (default), 'both' (1f1b and interleaved) or a comma-separated list of "
+                   f"{', '.join(SCHEDULES)}")
     p.add_argument("--quick", action="store_true", default=None, help="few steps: a smoke test, not a measurement")
+    p.add_argument("--dry-run", dest="dry_run", action="store_true", default=None,
+                   help="tiny model, one step of every schedule: checks the code paths (used by the tests)")
     p.add_argument("--lr", type=float, help=f"SGD learning rate (default {DEFAULTS['lr']})")
     p.add_argument("--seed", type=int, help=f"weights/data seed (default {DEFAULTS['seed']})")
     p.add_argument(

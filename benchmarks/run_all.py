@@ -4,10 +4,11 @@
     python benchmarks/run_all.py             # the full runs
 
 Runs each benchmark in turn (each spawns its own gloo processes), prints its table, then the
-summary lines: ratio_vs_torch_1f1b, ratio_vs_torch_interleaved, bubble_measured_over_simulated,
-a2a_hidden_fraction, ratio_vs_torch_moe_combined, peak_memory_ratio_vs_torch, monitor_overhead,
-batch_check_bound, rng_streams_bound,
-schedule_generate_simulate_seconds, and the supporting figures.
+summary lines: ratio_vs_torch_<schedule> for 1f1b, interleaved, zb1p, zb1p_vp2, zbv and dualpipev,
+ratio_best_vs_torch_best, bubble_measured_over_simulated_<schedule> (and ``_calibrated``, with the
+measured transfer cost), a2a_hidden_fraction, ratio_vs_torch_moe_combined,
+ratio_vs_torch_moe_dualpipev, peak_memory_ratio_vs_torch, monitor_overhead, batch_check_bound,
+rng_streams_bound, schedule_generate_simulate_seconds, and the supporting figures.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     q = args.quick
-    figures: dict[str, float] = {}
+    figures: dict = {}
     started = time.perf_counter()
 
     def section(title: str, module: str, options: dict, keys: dict) -> None:
@@ -61,21 +62,31 @@ def main(argv=None) -> dict:
                 value = value[part]
             figures[name] = value
 
+    vs_torch = ("1f1b", "interleaved", "zb1p", "zb1p_vp2", "zbv", "dualpipev")
     section("Runtime vs torch.distributed.pipelining", "bench_vs_torch",
-            {"quick": None, "steps": 20 if q else 30, "warmup": 2, "wait_quiet": 0.0},
-            {"ratio_vs_torch_1f1b": "ratio_vs_torch_1f1b", "ratio_vs_torch_interleaved": "ratio_vs_torch_interleaved"})
+            {"quick": None, "steps": 16 if q else 30, "warmup": 2, "wait_quiet": 30.0},
+            {f"ratio_vs_torch_{s}": f"ratio_vs_torch_{s}" for s in vs_torch}
+            | {"ratio_best_vs_torch_best": "ratio_best_vs_torch_best", "best_ours": "best_ours", "best_torch": "best_torch"})
+    bubble = ("1f1b", "interleaved", "zb1p", "zbv")
     section("Measured vs simulated bubble", "bench_bubble", argparse.Namespace(
-        hidden=512, microbatches=8, steps=12 if q else 20, quick=False),
-        {"bubble_measured_over_simulated": "bubble_measured_over_simulated"})
+        hidden=512, microbatches=8, steps=10 if q else 20, quick=False, schedules=",".join(bubble)),
+        {"bubble_measured_over_simulated": "bubble_measured_over_simulated"}
+        | {f"bubble_measured_over_simulated_{s}{c}": f"bubble_measured_over_simulated_{s}{c}"
+           for s in bubble for c in ("", "_calibrated")}
+        | {f"bubble_measured_over_{ref}_{s}": f"bubble_measured_over_{ref}_{s}"
+           for ref in ("rank_means", "replayed") for s in bubble})
     section("All-to-all hidden by combined 1F1B (emulated link)", "bench_a2a_overlap",
             argparse.Namespace(delay=0.0015, quick=False),
             {"a2a_hidden_fraction": "a2a_hidden_fraction", "a2a_hidden_fraction_ideal": "a2a_hidden_fraction_ideal"})
     section("MoE over a slow expert link vs torch.distributed.pipelining", "bench_moe_vs_torch",
             argparse.Namespace(delay=0.0015, quick=q),
-            {"ratio_vs_torch_moe_1f1b": "ratio_vs_torch_moe_1f1b", "ratio_vs_torch_moe_combined": "ratio_vs_torch_moe_combined"})
+            {"ratio_vs_torch_moe_1f1b": "ratio_vs_torch_moe_1f1b", "ratio_vs_torch_moe_combined": "ratio_vs_torch_moe_combined",
+             "ratio_vs_torch_moe_dualpipev": "ratio_vs_torch_moe_dualpipev",
+             "ratio_moe_dualpipev_vs_torch_1f1b": "ratio_moe_dualpipev_vs_torch_1f1b"})
     section("Peak memory per rank", "bench_memory", argparse.Namespace(
-        hidden=512, batch=256, microbatches=8, steps=4, quick=q),
+        hidden=512, batch=256, microbatches=8, steps=4, quick=q, diagnose_sends=True),
         {"peak_memory_ratio_vs_torch": "peak_memory_ratio_vs_torch",
+         "peak_memory_ratio_vs_torch_sends_waited": "peak_memory_ratio_vs_torch_sends_waited",
          "peak_memory_over_1f1b_bound": "peak_memory_over_1f1b_bound",
          "peak_memory_checkpointed_over_plain": "peak_memory_checkpointed_over_plain"})
     section("Timeline recording and monitor overhead", "bench_monitor_overhead", {"wait_quiet": 0.0},
@@ -88,7 +99,7 @@ def main(argv=None) -> dict:
 
     print(f"\n## Summary ({'--quick, ' if q else ''}{time.perf_counter() - started:.0f}s in all)")
     for name, value in figures.items():
-        print(f"{name}: {value:.4f}")
+        print(f"{name}: {value:.4f}" if isinstance(value, float) else f"{name}: {value}")
     return figures
 
 

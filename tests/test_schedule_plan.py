@@ -265,3 +265,44 @@ def test_gpu_benchmark_code_paths_run_on_the_cpu():
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_gpu.py"), "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "plan_overhead:" in proc.stdout and "comm_overlap:" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_torch_comparison_benchmark_code_paths_run():
+    """benchmarks/bench_vs_torch.py --dry-run: every schedule torch has (1F1B, interleaved, both
+    zero-bubble variants, ZB-V, DualPipeV), ours against torch's on a tiny model, one step each,
+    with the step-1 loss and gradient check; no timing is asserted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_vs_torch.py"), "--dry-run"],
+                          capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for schedule in ("1f1b", "interleaved", "zb1p", "zb1p_vp2", "zbv", "dualpipev"):
+        assert f"ratio_vs_torch_{schedule}:" in proc.stdout, out
+    assert "ratio_best_vs_torch_best:" in proc.stdout, out
+
+
+def test_bubble_benchmark_replay_reproduces_the_simulator():
+    """bench_bubble's replay of measured per-action durations, fed the simulator's own durations
+    and transfer cost, gives the simulator's bubble (so what it reports apart from the simulator is
+    the measurement, not the replay)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_bubble import replay
+
+    from lightning_pp.schedules import CostModel, make_config, simulate
+
+    costs = CostModel(forward=1.0, backward=1.5, weight_grad=0.7, p2p_latency=0.3)
+    for schedule, pp, vp, m in (("1f1b", 3, 1, 6), ("interleaved", 2, 2, 4), ("zb1p", 3, 1, 6), ("zb1p", 2, 2, 4),
+                                ("zbv", 2, 2, 5), ("dualpipev", 2, 2, 4)):
+        cfg = make_config(schedule, pp, vp, m)
+        sim = simulate(cfg, costs)
+        timed = [[(action, end - start) for _, action, start, end in sim.rank_events(r)] for r in range(pp)]
+        bubble, makespan = replay(cfg, timed, costs.p2p_time())
+        assert makespan == pytest.approx(sim.pipeline_makespan), schedule
+        assert bubble == pytest.approx(sim.bubble_fraction), schedule
