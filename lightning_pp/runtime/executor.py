@@ -44,7 +44,7 @@ from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
 from lightning_pp.runtime.waits import BoundedWait
 from lightning_pp.schedules import FUSED_SCHEDULES, ScheduleConfig, config_for_batch, rank_actions, split_backwards
-from lightning_pp.schedules.messages import send_order
+from lightning_pp.schedules.messages import delivery_marks, send_order
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class StepPlan:
     eval_actions: list  # forward-only actions, in order
     expected: dict  # forward_only -> {neighbour pipeline rank: its send order to this rank}
     deferred: frozenset = frozenset()  # (microbatch, chunk) whose weight gradient is a W action
+    marks: dict = field(default_factory=dict)  # forward_only -> messages.delivery_marks (send buffers freed early)
 
 
 @dataclass
@@ -165,14 +166,15 @@ class PipelineExecutor:
         plan = self._plans.get(config)
         if plan is None:
             rank = self.pp_rank
-            expected = {}
+            expected, marks = {}, {}
             for forward_only in (False, True):  # every other rank that sends here, and its order
-                orders = {src: send_order(config, src, rank_actions(config, src, forward_only), rank)
-                          for src in range(config.pp) if src != rank}
+                tables = [rank_actions(config, r, forward_only) for r in range(config.pp)]
+                orders = {src: send_order(config, src, tables[src], rank) for src in range(config.pp) if src != rank}
                 expected[forward_only] = {src: order for src, order in orders.items() if order}
+                marks[forward_only] = delivery_marks(config, rank, tables)
             actions = rank_actions(config, rank)
             plan = StepPlan(config, actions, rank_actions(config, rank, forward_only=True), expected,
-                            frozenset(split_backwards(actions)))
+                            frozenset(split_backwards(actions)), marks)
             self._plans[config] = plan
         return plan
 
@@ -252,7 +254,8 @@ class PipelineExecutor:
         plan = self._plan_for_batch(batch)
         self.step_config = plan.config
         microbatches = split_microbatches(batch, plan.config.microbatches)
-        self.p2p.begin_step(_shapes_key(microbatches) if self.static_shapes else None, mode=not train)
+        self.p2p.begin_step(_shapes_key(microbatches) if self.static_shapes else None, mode=not train,
+                            marks=plan.marks.get(not train))
         for src, order in plan.expected[not train].items():
             self.p2p.expect(src, order)
         state = StepState.start(microbatches, train, compute_loss, collect, self.device, plan.deferred)

@@ -172,9 +172,13 @@ class PointToPoint:
         self.key = None
         self.post_ahead = 2
         self.pending_sends: list[tuple[object, tuple[torch.Tensor, ...], Message, int]] = []
+        # From the schedule (messages.delivery_marks): the peer's action index that consumes each
+        # message sent to it, and the one that sends each message received from it.
+        self.consumed_at: dict = {}
+        self.sent_at: dict = {}
 
     # -- plan ---------------------------------------------------------------------------------
-    def begin_step(self, key=None, mode: bool = False) -> None:
+    def begin_step(self, key=None, mode: bool = False, marks: Optional[tuple[dict, dict]] = None) -> None:
         """Start a step. ``key`` describes the step's microbatch shapes (every rank of a pipeline
         splits the same batch, so they all compute the same key); ``mode`` separates training from
         forward-only steps.
@@ -185,6 +189,7 @@ class PointToPoint:
         of need, ``post_ahead`` per peer, in the peer's send order. Otherwise every message carries
         its header, so shapes may change freely."""
         self.signatures.clear()
+        self.consumed_at, self.sent_at = marks if marks is not None else ({}, {})
         self.mode, self.key = mode, key
         self.fast = key is not None and self.last_key.get(mode) == key
 
@@ -304,7 +309,24 @@ class PointToPoint:
             else:
                 nxt = channel.expected.popleft()
                 channel.arrived[nxt] = self._recv_payload(src, channel, nxt)
+            self._release_delivered(src, nxt)
         return channel.arrived.pop(message)
+
+    def _release_delivered(self, src: int, arrived: Message) -> None:
+        """Drop the sends to ``src`` that the message that just arrived proves delivered (see
+        ``messages.delivery_marks``), so their buffers are freed now rather than at the end of the
+        step: gloo does not report a send complete until it is waited for."""
+        sent = self.sent_at.get((src, arrived))
+        if sent is None:
+            return
+        keep = []
+        for work, payload, message, dst in self.pending_sends:
+            consumed = self.consumed_at.get((dst, message)) if dst == src else None
+            if consumed is not None and consumed < sent:
+                self._wait(work, f"sending {message.describe()}", dst)  # delivered: returns at once
+            else:
+                keep.append((work, payload, message, dst))
+        self.pending_sends = keep
 
     def _wait(self, work, what: str, peer: int, message: Optional[Message] = None, host: bool = False) -> None:
         if self.device.type == "cuda" and not host:

@@ -69,3 +69,43 @@ def send_order(cfg: ScheduleConfig, rank: int, actions: list[Action], dst: int) 
     """Every message ``rank`` sends to ``dst`` (a different rank) in one step, in order. With
     ``dst == rank`` it lists the local hand-offs instead."""
     return [msg for action in actions for to, msg in action_sends(cfg, rank, action) if to == dst]
+
+
+def action_receives(cfg: ScheduleConfig, rank: int, action: Action) -> list[tuple[int, Message]]:
+    """(source rank, message) of every message ``action`` consumes from another rank: the input
+    of its forward, the output gradient of its backward."""
+    received = []
+    fwd = action.forward_part()
+    if fwd is not None:
+        stage = cfg.stage_of(rank, fwd[1])
+        if stage > 0:
+            received.append((cfg.owner_of(stage - 1)[0], Message("F", fwd[0], stage)))
+    bwd = action.backward_part()
+    if bwd is not None:
+        stage = cfg.stage_of(rank, bwd[1])
+        if stage < cfg.num_stages - 1:
+            received.append((cfg.owner_of(stage + 1)[0], Message("B", bwd[0], stage)))
+    return [(src, msg) for src, msg in received if src != rank]
+
+
+def delivery_marks(cfg: ScheduleConfig, rank: int, tables: list[list[Action]]) -> tuple[dict, dict]:
+    """When a message ``rank`` sent is known to be delivered, from the per-rank ``tables``.
+
+    Returns ``(consumed_at, sent_at)``: ``consumed_at[(peer, message)]`` is the index of the
+    peer's action that consumes a message ``rank`` sends it, ``sent_at[(peer, message)]`` the
+    index of the peer's action that sends a message ``rank`` receives. Once ``rank`` holds a
+    message the peer sent at index ``k``, the peer has finished every action before ``k``, so
+    every message ``rank`` sent it that is consumed at an index below ``k`` has arrived: its send
+    buffer can be released (a backend such as gloo does not report that by itself)."""
+    consumed_at, sent_at = {}, {}
+    for peer, actions in enumerate(tables):
+        if peer == rank:
+            continue
+        for index, action in enumerate(actions):
+            for dst, msg in action_sends(cfg, peer, action):
+                if dst == rank:
+                    sent_at[(peer, msg)] = index
+            for src, msg in action_receives(cfg, peer, action):
+                if src == rank:
+                    consumed_at[(peer, msg)] = index
+    return consumed_at, sent_at
