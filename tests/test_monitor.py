@@ -22,7 +22,7 @@ from lightning_models import PipeRegressor, loader
 from lightning_pp.callbacks import analyze, export_png, export_trace, gather_spans, merged_trace
 from lightning_pp.callbacks.analysis import RankTimeline, clock_offsets, compute_busy
 from lightning_pp.runtime.timeline import Span, Timeline
-from lightning_pp.schedules import CostModel, make_config, simulate
+from lightning_pp.schedules import CostModel, make_config, rank_actions, simulate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -108,13 +108,15 @@ def test_analysis_of_hand_made_spans():
 
 @pytest.mark.parametrize("schedule,pp,vp,microbatches", [
     ("1f1b", 2, 1, 4), ("gpipe", 3, 1, 5), ("interleaved", 2, 2, 4), ("combined_1f1b", 2, 2, 6), ("combined_1f1b", 3, 1, 5),
+    ("zb1p", 3, 1, 5), ("zbv", 2, 2, 4), ("dualpipev", 2, 2, 4),
 ])
 def test_a_step_that_runs_exactly_as_simulated_measures_as_simulated(schedule, pp, vp, microbatches):
     """Spans taken from the simulator (F 1.5, B 2.5 units, as seconds) are a step that ran exactly
     to plan: the measured bubble must equal the simulator's, per rank and overall, and the trace
     must name every action (combined ones with both halves) as the plan does."""
     cfg = make_config(schedule, pp, vp, microbatches)
-    plan = simulate(cfg, CostModel(forward=1.5, backward=2.5))
+    split = any(a.kind == "W" for r in range(pp) for a in rank_actions(cfg, r))  # zero-bubble tables
+    plan = simulate(cfg, CostModel(forward=1.5, backward=2.5, weight_grad=1.0 if split else 0.0))
     spans = [[Span(action.kind, action.microbatch, action.chunk, start, end)
               for _, action, start, end in plan.rank_events(rank)] for rank in range(pp)]
     stats = analyze(spans, cfg)

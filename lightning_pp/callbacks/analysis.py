@@ -52,7 +52,16 @@ from lightning_pp.callbacks.records import (
     host_id,
 )
 from lightning_pp.runtime.timeline import COMPUTE_SPAN_KINDS, Span, SpanKind
-from lightning_pp.schedules import Action, ActionKind, CostModel, ScheduleConfig, SimulationResult, rank_actions, simulate
+from lightning_pp.schedules import (
+    Action,
+    ActionKind,
+    CostModel,
+    ScheduleConfig,
+    SimulationResult,
+    rank_actions,
+    simulate,
+    split_backwards,
+)
 
 COMPUTE_KINDS = COMPUTE_SPAN_KINDS
 RECV_WAIT = SpanKind.RECV_WAIT
@@ -203,7 +212,7 @@ def _coordinates(records: list[RankTimeline], config: ScheduleConfig) -> list[tu
 
 def ideal_costs(costs: dict, a2a: Optional[dict] = None) -> CostModel:
     """The simulator's cost model for measured mean action costs (seconds): ``costs`` the compute
-    time of ``F`` / ``B`` (and ``FB``) actions, ``a2a`` the all-to-all wait of plain ``F`` / ``B``
+    time of ``F`` / ``B`` (and ``FB``, ``W``) actions, ``a2a`` the all-to-all wait of plain ``F`` / ``B``
     actions (exposed there: nothing overlaps it), which the simulator adds to those actions and
     overlaps with compute in ``FB`` ones. Point-to-point is free. Without plain ``F`` / ``B``
     actions a combined ``FB`` is split 1:2, the usual ratio."""
@@ -216,7 +225,10 @@ def ideal_costs(costs: dict, a2a: Optional[dict] = None) -> CostModel:
         else:
             backward = max(0.0, costs["FB"] - forward)
     a2a = a2a or {}
+    # A W action (zero-bubble schedules) is priced on its own; a B of those tables is then the
+    # input gradient only, as measured.
     return CostModel(forward=float(forward or 0.0), backward=float(backward or 0.0),
+                     weight_grad=float(costs.get("W", 0.0)),
                      a2a_forward=float(a2a.get("F", 0.0)), a2a_backward=float(a2a.get("B", 0.0)))
 
 
@@ -243,12 +255,20 @@ def analyze(spans_per_rank: Sequence[Any], config: ScheduleConfig, alignment: st
     by_kind: dict = {}
     compute_by_kind: dict = {}
     a2a_by_kind: dict = {}
-    for record, items in zip(records, per_rank):
+    unsplit: list = []  # compute time of full backwards in tables that split others (not priced as B)
+    for record, items, (pp_rank, _) in zip(records, per_rank, coordinates):
         a2a_waits = _covered([span for span, _, _ in items], record.spans, A2A_WAIT)
+        split = split_backwards(rank_actions(config, pp_rank))
         for (span, b, _), a2a_wait in zip(items, a2a_waits):
             by_kind.setdefault(span.kind, []).append(b)
-            compute_by_kind.setdefault(span.kind, []).append(b - a2a_wait)
             a2a_by_kind.setdefault(span.kind, []).append(a2a_wait)
+            if split and span.kind == ActionKind.BACKWARD and (span.microbatch, span.chunk) not in split:
+                unsplit.append(b - a2a_wait)  # the simulator prices it as B + W
+            else:
+                compute_by_kind.setdefault(span.kind, []).append(b - a2a_wait)
+    if unsplit and ActionKind.BACKWARD not in compute_by_kind:  # no split B measured: full minus W
+        weight = _mean(compute_by_kind.get(ActionKind.WEIGHT_GRAD, [0.0]))
+        compute_by_kind[ActionKind.BACKWARD] = [max(0.0, u - weight) for u in unsplit]
     costs = {kind: _mean(values) for kind, values in by_kind.items()}
     counts = {kind: len(values) for kind, values in by_kind.items()}
     compute_costs = {kind: _mean(values) for kind, values in compute_by_kind.items()}
