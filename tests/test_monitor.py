@@ -416,7 +416,7 @@ def test_monitor_in_a_two_process_fit(tmp_path):
 
 
 # -- Fabric: the same through a plain function ---------------------------------------------------
-def _fabric_capture(rank, world, out_dir):
+def _fabric_capture(rank, world, out_dir, schedule="1f1b", vp=1):
     import lightning as L
 
     import lightning_pp
@@ -424,12 +424,14 @@ def _fabric_capture(rank, world, out_dir):
 
     os.environ["LOCAL_RANK"] = str(rank)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=lightning_pp.FabricPipelineStrategy(
-        pipeline_parallel_size=2, num_microbatches=4))
+        pipeline_parallel_size=2, num_microbatches=4, schedule=schedule, virtual_pipeline_size=vp))
     fabric.launch()
     torch.manual_seed(0)
     model = fabric.setup_module(PipeRegressor())
     opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=1e-2))
-    executor = model._lpp_executor
+    from lightning_pp.runtime import executor_of
+
+    executor = executor_of(model)
     summaries = []
     for step, batch in enumerate(loader(16, n=48)):
         opt.zero_grad()
@@ -442,10 +444,14 @@ def _fabric_capture(rank, world, out_dir):
 
 
 @pytest.mark.timeout(120)
-def test_capture_step_from_fabric(tmp_path):
-    results = run_distributed(_fabric_capture, 2, str(tmp_path), timeout=100)
+@pytest.mark.parametrize("schedule,vp,counts", [
+    ("1f1b", 1, {"F": 8, "B": 8}),
+    ("zbv", 2, {"F": 16, "B": 16, "W": 16}),  # two chunks per rank in a V, backward split into B and W
+])
+def test_capture_step_from_fabric(tmp_path, schedule, vp, counts):
+    results = run_distributed(_fabric_capture, 2, str(tmp_path), schedule, vp, timeout=100)
     assert results[0] == results[1]
-    assert all(counts == {"F": 8, "B": 8} for _, _, counts in results[0])
+    assert all(c == counts for _, _, c in results[0])
     with open(tmp_path / "pipeline_trace_step2.json") as f:
         trace = json.load(f)
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
