@@ -7,6 +7,7 @@ import os
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader, DistributedSampler
 
 from distributed import run_distributed
 from lightning_models import PipeRegressor, loader
@@ -17,7 +18,10 @@ COMMON = dict(accelerator="cpu", max_steps=3, accumulate_grad_batches=2, gradien
               num_sanity_val_steps=1, use_distributed_sampler=False)
 
 
-def _reference(global_batch, **overrides):
+def _reference(global_batch, sampler_order=False, **overrides):
+    """One device. ``sampler_order``: its training batches in the order Lightning's distributed
+    sampler gives a multi-device run by default (it shuffles the training set with seed 0 even when
+    the user's loader does not), built independently with torch's DistributedSampler."""
     torch.manual_seed(0)
     model = PipeRegressor()
     grad_norms = []
@@ -28,7 +32,11 @@ def _reference(global_batch, **overrides):
             grad_norms.append(float(torch.stack(grads).norm()))
 
     trainer = L.Trainer(devices=1, callbacks=[Norms()], **{**COMMON, **overrides})
-    trainer.fit(model, loader(global_batch), loader(global_batch))
+    train = loader(global_batch)
+    if sampler_order:
+        sampler = DistributedSampler(train.dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        train = DataLoader(train.dataset, batch_size=global_batch, sampler=sampler)
+    trainer.fit(model, train, loader(global_batch))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return params, metrics, grad_norms, dict(model.hook_calls)
@@ -83,8 +91,10 @@ def test_fit_by_registered_name_equals_single_device():
 def test_fit_zero_bubble_v_schedule_by_registered_name_equals_single_device():
     # pp_zbv: two chunks per rank in a V, backward split into B and a deferred W; with gradient
     # accumulation and clipping (the clipped norm is taken after every W has run).
-    ref = _reference(global_batch=8)
-    per_rank = run_distributed(_fit, 2, "pp_zbv", 8, timeout=200)
+    # Lightning's default data path: the distributed sampler on (one pipeline: one replica), so
+    # the reference sees the training set in that sampler's order.
+    ref = _reference(global_batch=8, sampler_order=True)
+    per_rank = run_distributed(_fit, 2, "pp_zbv", 8, {"use_distributed_sampler": True}, timeout=200)
     _compare(ref, per_rank)
 
 
