@@ -39,6 +39,7 @@ from torch import nn
 from lightning_pp.moe.buffers import StagingPool, scatter_rows_into, stage_dispatch_bwd_grad
 from lightning_pp.runtime import context
 from lightning_pp.runtime.nodes import LayerNodes
+from lightning_pp.runtime.partition import drop_keys_held_elsewhere
 from lightning_pp.runtime.plan import PlanEvent, ScheduleNode, StageDispatchBwdGrad, get_comm_stream, get_comp_stream
 from lightning_pp.runtime.waits import LaunchedWork, wait_for
 
@@ -67,18 +68,13 @@ class ExpertOnOtherRank(nn.Module):
     def __init__(self, index: int, rank: int):
         super().__init__()
         self.index, self.rank = index, rank
-        self._register_load_state_dict_pre_hook(_held_by_another_rank)
+        self._register_load_state_dict_pre_hook(drop_keys_held_elsewhere)
 
     def forward(self, x):  # pragma: no cover - never called by the layer
         raise RuntimeError(f"expert {self.index} lives on expert-parallel rank {self.rank}, not on this rank.")
 
     def extra_repr(self) -> str:
         return f"expert={self.index}, ep_rank={self.rank}"
-
-
-def _held_by_another_rank(state_dict, prefix, *args) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        del state_dict[key]
 
 
 class _ReleaseOnWait:

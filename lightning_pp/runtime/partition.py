@@ -63,7 +63,7 @@ class NotOnThisStage(nn.Module):
         self.layer_name = name
         # A one-device state dict holds this module's entries: another rank loads them, so
         # model.load_state_dict(one_device_state_dict) works after the cut, strict included.
-        self._register_load_state_dict_pre_hook(_belongs_to_another_rank)
+        self._register_load_state_dict_pre_hook(drop_keys_held_elsewhere)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError(
@@ -77,7 +77,9 @@ class NotOnThisStage(nn.Module):
         return f"layer={self.layer_index}, stage={self.stage}"
 
 
-def _belongs_to_another_rank(state_dict, prefix, *args) -> None:
+def drop_keys_held_elsewhere(state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook of a placeholder for a module another rank holds (a layer of
+    another stage, an expert of another expert-parallel rank): that rank loads those keys."""
     for key in [k for k in state_dict if k.startswith(prefix)]:
         del state_dict[key]
 
