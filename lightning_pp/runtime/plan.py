@@ -30,12 +30,11 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch.autograd.variable import Variable
 
 from lightning_pp.runtime import context
 from lightning_pp.runtime.waits import wait_for
+from lightning_pp.runtime.weight_grad import engine_backward
 
-_ENGINE = Variable._execution_engine
 Tensors = tuple
 
 
@@ -212,9 +211,7 @@ class ScheduleNode:
                         roots.append(out)
                         root_grads.append(grad)
                 if roots:
-                    # The engine directly (as torch.autograd.backward does after checking its
-                    # arguments): this runs for every compute node, so the checks' cost shows.
-                    _ENGINE.run_backward(tuple(roots), tuple(root_grads), False, False, (), True, True)
+                    engine_backward(roots, root_grads)
                 in_grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
                                  for t in self.inputs)
         self.input_grads = in_grads

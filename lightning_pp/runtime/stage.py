@@ -25,7 +25,7 @@ from lightning_pp.runtime.p2p import PointToPoint
 from lightning_pp.runtime.partition import Partition
 from lightning_pp.runtime.rng import StageRNG
 from lightning_pp.runtime.timeline import Timeline
-from lightning_pp.runtime.weight_grad import WeightGrad, backward_input
+from lightning_pp.runtime.weight_grad import WeightGrad, backward_input, engine_backward
 from lightning_pp.schedules import ScheduleConfig
 from lightning_pp.schedules.messages import Message
 
@@ -109,7 +109,7 @@ class StageRunner:
                 in_grads = tuple(next(it, None) if t.requires_grad else None for t in received)
             else:
                 if roots:
-                    run_backward(roots, grads)
+                    engine_backward(roots, grads)
                 in_grads = tuple(t.grad for t in received)
         self._finish_backward(state, microbatch, chunk_id, received, in_grads)
 
@@ -254,7 +254,7 @@ class StageRunner:
         if is_loss:
             roots, grads = list(outputs), [torch.ones_like(outputs[0])]
             if plan is not None:
-                run_backward(roots, grads)
+                engine_backward(roots, grads)
                 leaves = detached if isinstance(detached, tuple) else (detached,)
                 return received, plan, None, tuple(t.grad if t.requires_grad else None for t in leaves)
             return received, None, roots, grads
@@ -291,12 +291,6 @@ def as_tensors(value: Any, where: str) -> tuple[tuple[torch.Tensor, ...], bool]:
         f"tensor or a tuple of tensors (the next layer gets the tuple unpacked). Return tensors only."
     )
 
-
-def run_backward(roots: list[torch.Tensor], grads: list[Optional[torch.Tensor]]) -> None:
-    """Autograd from ``roots``. Goes through the engine directly so that roots whose storage was
-    released after sending (see :func:`release`) pass: the shape check is done against the graph's
-    recorded metadata, which the received gradients match."""
-    torch.autograd.Variable._execution_engine.run_backward(tuple(roots), tuple(grads), False, False, (), True, True)
 
 
 def release(tensors: tuple[torch.Tensor, ...]) -> None:

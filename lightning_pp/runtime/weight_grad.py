@@ -38,12 +38,18 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentrant=True)
 
 
-def _engine_backward(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
-                     inputs: Sequence[torch.Tensor] = (), keep_graph: bool = False):
-    """Autograd through the engine directly (roots whose storage was released after sending pass:
-    see ``stage.release``). With ``inputs``, returns their gradients instead of accumulating."""
-    return torch.autograd.Variable._execution_engine.run_backward(
-        tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, not inputs)
+_ENGINE = torch.autograd.Variable._execution_engine
+
+
+def engine_backward(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
+                    inputs: Sequence[torch.Tensor] = (), keep_graph: bool = False):
+    """Autograd from ``roots`` through the engine directly, as ``torch.autograd.backward`` does
+    after checking its arguments. The runtime's one way into autograd: it runs for every
+    (microbatch, chunk) and every schedule-plan node, so the checks' cost would show, and roots
+    whose storage was released after sending (``stage.release``) pass (shapes are checked against
+    the graph's recorded metadata, which the gradients match). With ``inputs``, returns their
+    gradients instead of accumulating into ``.grad``."""
+    return _ENGINE.run_backward(tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, not inputs)
 
 
 def _graph(roots: Sequence[torch.Tensor]) -> dict[Node, list[Node]]:
@@ -89,7 +95,7 @@ class WeightGrad:
 
     def run(self) -> None:
         if self.roots:
-            _engine_backward(self.roots, self.grads)
+            engine_backward(self.roots, self.grads)
         for params, seeds, pins in self.groups:
             if not seeds:
                 continue
@@ -117,7 +123,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch
         return (), WeightGrad([], roots, grads)
     parents = _graph(roots)
     if any(node.name() == _REENTRANT_CHECKPOINT for node in parents):
-        _engine_backward(roots, grads)
+        engine_backward(roots, grads)
         return tuple(t.grad for t in inputs), WeightGrad([])
     input_nodes = [get_gradient_edge(t).node for t in inputs]
     input_path, _ = _upward([n for n in input_nodes if n in parents], parents)
@@ -135,7 +141,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch
             if node in input_path:
                 hooks.append(node.register_prehook(lambda incoming, node=node: captured.__setitem__(node, incoming)))
     try:
-        in_grads = _engine_backward(roots, grads, inputs, keep_graph=True)
+        in_grads = engine_backward(roots, grads, inputs, keep_graph=True)
     finally:
         for hook in hooks:
             hook.remove()
