@@ -286,6 +286,11 @@ def watchdog_for(board: FailureBoard, rank: int, world_size: int, config: Watchd
         return _process_watchdog
 
 
+def process_watchdog() -> Optional[Watchdog]:
+    """This process's watchdog, running or stopped (what it last saw stays readable), or ``None``."""
+    return _process_watchdog
+
+
 def current_watchdog() -> Optional[Watchdog]:
     """This process's watchdog, if it is running."""
     watchdog = _process_watchdog

@@ -4,7 +4,9 @@ building the pipeline, logging from the last stage, gradient clipping, predictio
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import sys
 from typing import Any, Optional
 
 import torch
@@ -22,6 +24,7 @@ from lightning_pp.runtime import (
 from lightning_pp.runtime.config import DEFAULT_TIMEOUT as DEFAULT_PIPELINE_TIMEOUT  # noqa: F401  (re-exported)
 from lightning_pp.runtime.config import PipelineConfig
 from lightning_pp.runtime.grads import clip_grad_norm_, grad_norm
+from lightning_pp.runtime.guard import failure_seen_in_process
 from lightning_pp.runtime.microbatch import batch_size
 
 
@@ -73,6 +76,34 @@ def config_from_arguments(arguments: dict) -> PipelineConfig:
     return PipelineConfig(**chosen)
 
 
+def _destroy_process_groups_at_exit() -> None:
+    """At the exit of a job that ended well, destroy the process groups while the interpreter is
+    still whole. Lightning does so for NCCL only; a gloo group left to interpreter shutdown can abort
+    a finished run (``terminate called without an active exception``, exit code -6), as torch's
+    ``destroy_process_group`` documentation warns. After a failure it is left alone: a peer may
+    still hold a collective open with this process, and destroying the group would wait for it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # never made, or the user destroyed it
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        return  # ending on an uncaught exception
+    if failure_seen_in_process():
+        return
+    dist.destroy_process_group()
+
+
+_exit_handler_registered = False
+
+
+def destroy_process_groups_at_exit() -> None:
+    """Register :func:`_destroy_process_groups_at_exit` once per process. Registered when the
+    strategy makes its groups, before the runtime's watchdog starts, so it runs after the
+    watchdog's own exit handler (handlers run in reverse order)."""
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(_destroy_process_groups_at_exit)
+        _exit_handler_registered = True
+
+
 class PipelineEngine:
     """Builds the executor for a module and runs steps; no Lightning state."""
 
@@ -99,6 +130,7 @@ class PipelineEngine:
 
     def setup_topology(self, device_type: str) -> None:
         if self.topology is None:
+            destroy_process_groups_at_exit()
             self.config = self.config.resolve(dist.get_world_size())  # every check that needs the world size
             self.topology = build_topology(self.config.pipeline_parallel_size, self.config.expert_parallel_size,
                                            device_type)
