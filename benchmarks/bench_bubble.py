@@ -16,6 +16,10 @@ excludes the waits on receives) is compared with four references for the same sc
   free transfers (what ``analyze`` calls the ideal; ``W`` priced as measured);
 * ``calibrated``: the same plus the calibrated alpha-beta cost on every cross-rank hand-off
   (``CostModel.p2p_latency`` / ``p2p_bandwidth`` / ``activation_bytes``);
+* ``per_stage`` / ``per_stage_calibrated``: the simulator with each virtual stage's own mean
+  costs (``CostModel.stages``, measured by ``analyze`` as ``stage_costs``), without and with the
+  calibrated hop: the plan that knows the first stage has no input gradient to compute and the
+  last computes the loss;
 * ``replayed_rank_means``: each rank's actions replayed in order (the simulator's rules, the
   calibrated hop) with that rank's mean cost per kind: the simulator plus the imbalance between
   ranks (the first stage has no input gradient to compute, the last computes the loss);
@@ -27,7 +31,8 @@ excludes the waits on receives) is compared with four references for the same sc
   actions, before the rank's first and after its last action).
 
 Reports medians over steps, per schedule: ``bubble_measured_over_simulated_<s>`` and
-``bubble_measured_over_simulated_<s>_calibrated``, and for the breakdown
+``bubble_measured_over_simulated_<s>_calibrated``, ``..._<s>_per_stage``,
+``..._<s>_per_stage_calibrated``, and for the breakdown
 ``bubble_measured_over_rank_means_<s>`` and ``bubble_measured_over_replayed_<s>``.
 ``bubble_measured_over_simulated`` is the 1F1B figure (the name earlier runs used).
 
@@ -158,9 +163,10 @@ def _step_figures(records: list, config, p2p: dict) -> dict:
     stats = analyze(records, config)
     c = stats.compute_costs
     plain = CostModel(forward=c.get("F", 0.0), backward=c.get("B", 0.0), weight_grad=c.get("W", 0.0))
-    calibrated = CostModel(forward=plain.forward, backward=plain.backward, weight_grad=plain.weight_grad,
-                           p2p_latency=p2p["latency_s"], p2p_bandwidth=p2p["bandwidth_Bps"],
-                           activation_bytes=p2p["activation_bytes"])
+    link = dict(p2p_latency=p2p["latency_s"], p2p_bandwidth=p2p["bandwidth_Bps"], activation_bytes=p2p["activation_bytes"])
+    calibrated = CostModel(forward=plain.forward, backward=plain.backward, weight_grad=plain.weight_grad, **link)
+    staged = CostModel(stages=stats.stage_costs)
+    staged_calibrated = CostModel(stages=stats.stage_costs, **link)
     timed = []
     for record, pp_rank in zip(records, stats.pp_ranks):
         pairs = match_actions(record, config, pp_rank)
@@ -177,6 +183,8 @@ def _step_figures(records: list, config, p2p: dict) -> dict:
     busy = sum(stats.busy) / len(records)
     return {"measured": stats.bubble_fraction, "simulated": simulate(config, plain).bubble_fraction,
             "calibrated": simulate(config, calibrated).bubble_fraction, "replayed": replayed,
+            "per_stage": simulate(config, staged).bubble_fraction,
+            "per_stage_calibrated": simulate(config, staged_calibrated).bubble_fraction,
             "replayed_rank_means": replayed_means,
             "rank_costs_ms": [{str(k): m[k] * 1e3 for k in ("F", "B", "FB", "W") if k in m} for m in means],
             "window_ms": window * 1e3, "busy_ms": busy * 1e3, "recv_wait_ms": waits * 1e3,
@@ -225,9 +233,10 @@ def run(args: Any = None) -> dict:
     for schedule in schedules:
         r = launch(_measure, peer.WORLD_SIZE, cfg, schedule)[0]
         steps = r["steps"]
-        res = {key: _median(steps, key) for key in ("measured", "simulated", "calibrated", "replayed_rank_means",
-                                                    "replayed", "window_ms", "busy_ms", "recv_wait_ms", "other_ms")}
-        for ref in ("simulated", "calibrated", "replayed_rank_means", "replayed"):
+        res = {key: _median(steps, key) for key in ("measured", "simulated", "calibrated", "per_stage", "per_stage_calibrated",
+                                                    "replayed_rank_means", "replayed", "window_ms", "busy_ms",
+                                                    "recv_wait_ms", "other_ms")}
+        for ref in ("simulated", "calibrated", "per_stage", "per_stage_calibrated", "replayed_rank_means", "replayed"):
             ratios = [s["measured"] / s[ref] for s in steps if s[ref] > 0]
             res[f"over_{ref}"] = statistics.median(ratios) if ratios else float("nan")
             res[f"over_{ref}_range"] = (min(ratios), max(ratios)) if ratios else (float("nan"),) * 2
@@ -238,6 +247,8 @@ def run(args: Any = None) -> dict:
         out[schedule] = res
         out[f"bubble_measured_over_simulated_{schedule}"] = res["over_simulated"]
         out[f"bubble_measured_over_simulated_{schedule}_calibrated"] = res["over_calibrated"]
+        out[f"bubble_measured_over_simulated_{schedule}_per_stage"] = res["over_per_stage"]
+        out[f"bubble_measured_over_simulated_{schedule}_per_stage_calibrated"] = res["over_per_stage_calibrated"]
         out[f"bubble_measured_over_replayed_{schedule}"] = res["over_replayed"]
         out[f"bubble_measured_over_rank_means_{schedule}"] = res["over_replayed_rank_means"]
     if "1f1b" in schedules:
@@ -254,16 +265,17 @@ def format_report(res: dict) -> str:
              f"({p['activation_bytes']} B), {p['rtt_16x_s'] * 1e6:.0f} us (16x) -> alpha {p['latency_s'] * 1e6:.0f} us, "
              f"bandwidth {p['bandwidth_Bps'] / 1e9:.2f} GB/s, one activation hop {p['hop_s'] * 1e6:.0f} us",
              "bubble of: the measurement; the simulator with mean costs, free transfers (sim) and with the calibrated "
-             "hop (sim+p2p); replays with each rank's mean cost per kind (rank mean) and with every action's own "
-             "duration (replay)",
-             f"{'schedule':12}{'measured':>9}{'sim':>7}{'sim+p2p':>8}{'rank mean':>10}{'replay':>8}"
-             f"{'/sim':>7}{'/sim+p2p':>9}{'/rank mean':>11}{'/replay':>8}"
+             "hop (sim+p2p); the simulator with each stage's mean costs (stage) and the hop (stage+p2p); replays "
+             "with each rank's mean cost per kind (rank mean) and with every action's own duration (replay)",
+             f"{'schedule':12}{'measured':>9}{'sim':>7}{'sim+p2p':>8}{'stage+p2p':>10}{'rank mean':>10}{'replay':>8}"
+             f"{'/sim':>7}{'/sim+p2p':>9}{'/stage':>7}{'/stage+p2p':>11}{'/rank mean':>11}{'/replay':>8}"
              f"   window = busy + recv_wait + other (ms, mean rank)"]
     for s in res["schedules"]:
         r = res[s]
-        lines.append(f"{s:12}{r['measured']:9.3f}{r['simulated']:7.3f}{r['calibrated']:8.3f}"
+        lines.append(f"{s:12}{r['measured']:9.3f}{r['simulated']:7.3f}{r['calibrated']:8.3f}{r['per_stage_calibrated']:10.3f}"
                      f"{r['replayed_rank_means']:10.3f}{r['replayed']:8.3f}"
-                     f"{r['over_simulated']:7.2f}{r['over_calibrated']:9.2f}{r['over_replayed_rank_means']:11.2f}"
+                     f"{r['over_simulated']:7.2f}{r['over_calibrated']:9.2f}{r['over_per_stage']:7.2f}"
+                     f"{r['over_per_stage_calibrated']:11.2f}{r['over_replayed_rank_means']:11.2f}"
                      f"{r['over_replayed']:8.2f}"
                      f"   {r['window_ms']:.1f} = {r['busy_ms']:.1f} + {r['recv_wait_ms']:.1f} + {r['other_ms']:.1f}")
     lines.append("mean busy ms per action, all ranks | per rank:")
@@ -273,6 +285,7 @@ def format_report(res: dict) -> str:
         lines.append(f"  {s:12}{' '.join(f'{k} {v:.2f}' for k, v in r['costs_ms'].items())} | {per_rank}")
     for s in res["schedules"]:
         for key in (f"bubble_measured_over_simulated_{s}", f"bubble_measured_over_simulated_{s}_calibrated",
+                    f"bubble_measured_over_simulated_{s}_per_stage", f"bubble_measured_over_simulated_{s}_per_stage_calibrated",
                     f"bubble_measured_over_rank_means_{s}", f"bubble_measured_over_replayed_{s}"):
             lines.append(f"{key}: {res[key]:.3f}")
     if "bubble_measured_over_simulated" in res:

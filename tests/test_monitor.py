@@ -22,7 +22,7 @@ from lightning_models import PipeRegressor, loader
 from lightning_pp.callbacks import analyze, export_png, export_trace, gather_spans, merged_trace
 from lightning_pp.callbacks.analysis import RankTimeline, clock_offsets, compute_busy
 from lightning_pp.runtime.timeline import Span, Timeline
-from lightning_pp.schedules import CostModel, make_config, rank_actions, simulate
+from lightning_pp.schedules import CostModel, StageCost, make_config, rank_actions, simulate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -91,7 +91,14 @@ def test_analysis_of_hand_made_spans():
     assert metrics["pipeline/forward_ms"] == pytest.approx(1000.0)
     assert metrics["pipeline/bubble_rank1"] == pytest.approx(1 - 6 / 8.5)
     assert metrics["pipeline/a2a_hidden"] == pytest.approx(6 / 7)
-    assert "bubble 29.4% (ideal 33.3%)" in stats.summary()
+    # Each stage's own prices (compute less all-to-all waits): stage 0 F (0.9 + 1) / 2, B 2; stage 1
+    # F 1, B 2; plus the mean exposed all-to-all of an F (0.1 / 4). Placed by hand: rank 0 F0
+    # [0, .975] F1 [.975, 1.95] B0 [4, 6] B1 [7.025, 9.025]; rank 1 F0 [.975, 2] B0 [2, 4] F1
+    # [4, 5.025] B1 [5.025, 7.025]: busy 5.95 + 6.05 in a makespan of 9.025.
+    assert [x for stage in stats.stage_costs for x in stage] == pytest.approx([0.95, 2.0, 0.0, 1.0, 2.0, 0.0])
+    assert stats.ideal_bubble_per_stage == pytest.approx(1 - 12 / (2 * 9.025))
+    assert metrics["pipeline/ideal_bubble_per_stage"] == pytest.approx(1 - 12 / 18.05)
+    assert "bubble 29.4% (ideal 33.3%; 33.5% at each stage's own costs)" in stats.summary()
 
     # Without alignment both ranks start together: the window is [0, 8] and the bubble 1 - 6/8.
     plain = analyze(_hand_made(), cfg, alignment="none")
@@ -123,6 +130,7 @@ def test_a_step_that_runs_exactly_as_simulated_measures_as_simulated(schedule, p
     assert stats.bubble_fraction == pytest.approx(plan.bubble_fraction)
     assert stats.rank_bubble == pytest.approx(plan.rank_bubble)
     assert stats.ideal_bubble == pytest.approx(plan.bubble_fraction)
+    assert stats.ideal_bubble_per_stage == pytest.approx(plan.bubble_fraction)  # the stages cost the same
     assert stats.step_time == pytest.approx(plan.pipeline_makespan)
     events = [e for e in merged_trace(spans, cfg)["traceEvents"] if e["ph"] == "X"]
     for rank in range(pp):
@@ -132,6 +140,26 @@ def test_a_step_that_runs_exactly_as_simulated_measures_as_simulated(schedule, p
         assert [n for n, _, _ in measured] == [n for n, _, _ in planned]
         for (_, ts_m, dur_m), (_, ts_p, dur_p) in zip(measured, planned):
             assert ts_m == pytest.approx(ts_p) and dur_m == pytest.approx(dur_p)
+
+
+@pytest.mark.parametrize("schedule,pp,vp,microbatches", [
+    ("1f1b", 3, 1, 6), ("interleaved", 2, 2, 4), ("zb1p", 3, 1, 5), ("zbv", 2, 2, 4),
+])
+def test_the_ideal_at_each_stages_own_costs_is_the_plan_of_a_step_with_unequal_stages(schedule, pp, vp, microbatches):
+    """A step that ran exactly to a plan whose stages cost different amounts: the measured bubble,
+    and the ideal made from each stage's own measured prices, equal the plan's; the ideal with one
+    price per kind (the means) does not."""
+    cfg = make_config(schedule, pp, vp, microbatches)
+    split = any(a.kind == "W" for r in range(pp) for a in rank_actions(cfg, r))
+    stages = [StageCost(1.0 + 0.5 * s, 2.0 + s, 1.0 + 0.25 * s if split else 0.0) for s in range(cfg.num_stages)]
+    plan = simulate(cfg, CostModel(stages=stages))
+    spans = [[Span(action.kind, action.microbatch, action.chunk, start, end)
+              for _, action, start, end in plan.rank_events(rank)] for rank in range(pp)]
+    stats = analyze(spans, cfg)
+    assert stats.bubble_fraction == pytest.approx(plan.bubble_fraction)
+    assert [x for stage in stats.stage_costs for x in stage] == pytest.approx([x for stage in stages for x in stage])
+    assert stats.ideal_bubble_per_stage == pytest.approx(plan.bubble_fraction)
+    assert stats.ideal_bubble != pytest.approx(plan.bubble_fraction)
 
 
 def test_overlapping_all_to_alls_get_their_own_trace_lanes():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from lightning_pp.schedules import (
     CostModel,
     SimulationResult,
+    StageCost,
     all_rank_actions,
     allreduce_time,
     make_config,
@@ -210,6 +211,109 @@ def test_weight_grad_joins_backward_unless_w_actions_exist():
     split = simulate(cfg, costs, actions=[[forward(0, 0), backward(0, 0), Action(WEIGHT_GRAD, 0, 0)]])
     assert [(a.kind, end - start) for _, a, start, end in split.events] == [("F", 1), ("B", 2), ("W", 1)]
     assert split.pipeline_makespan == merged.pipeline_makespan == 4
+
+
+# --------------------------------------------------------------------------------------------
+# Costs per virtual stage
+
+
+def test_per_stage_costs_two_stages_by_hand():
+    # pp=2, m=2, 1F1B, stage 0: F=1 B=2, stage 1: F=3 B=5 (free transfers):
+    #   rank 1: F0 [1,4]  B0 [4,9]  F1 [9,12]  B1 [12,17]
+    #   rank 0: F0 [0,1]  F1 [1,2]  B0 [9,11] (waits for rank 1's B0)  B1 [17,19]
+    cfg = make_config("1f1b", 2, 1, 2)
+    result = simulate(cfg, CostModel(stages=[(1, 2), (3, 5)]))
+    spans = {(rank, a.describe()): (start, end) for rank, a, start, end in result.events}
+    assert spans[(1, "F1.0")] == (9, 12) and spans[(0, "B0.0")] == (9, 11) and spans[(0, "B1.0")] == (17, 19)
+    assert result.pipeline_makespan == 19
+    assert result.busy == [6, 16]
+    assert result.bubble_fraction == pytest.approx(1 - 22 / 38)
+
+
+def _reference_replay(cfg, stages, actions):
+    """The simulator's rules written plainly (fixed point over the ranks' lists, dictionaries):
+    per-rank busy time and the makespan, an independent check of the per-stage pricing."""
+    split = {(cfg.stage_of(r, a.chunk), a.microbatch) for r, lst in enumerate(actions) for a in lst if a.kind == "W"}
+    last = cfg.num_stages - 1
+    f_end, b_end, clock, busy, pos = {}, {}, [0.0] * cfg.pp, [0.0] * cfg.pp, [0] * cfg.pp
+
+    def place(r, action):
+        start, duration = clock[r], 0.0
+        fwd, bwd = action.forward_part(), action.backward_part()
+        if fwd is not None:
+            mb, stage = fwd[0], cfg.stage_of(r, fwd[1])
+            if stage:
+                if (mb, stage - 1) not in f_end:
+                    return False
+                start = max(start, f_end[(mb, stage - 1)])  # free transfers
+            duration += stages[stage].forward
+        if bwd is not None:
+            mb, stage = bwd[0], cfg.stage_of(r, bwd[1])
+            if (mb, stage) not in f_end:
+                return False
+            start = max(start, f_end[(mb, stage)])
+            if stage < last:
+                if (mb, stage + 1) not in b_end:
+                    return False
+                start = max(start, b_end[(mb, stage + 1)])
+            duration += stages[stage].backward + (0.0 if (stage, mb) in split else stages[stage].weight_grad)
+        if fwd is None and bwd is None:  # W after its own B
+            key = (action.microbatch, cfg.stage_of(r, action.chunk))
+            if key not in b_end:
+                return False
+            start = max(start, b_end[key])
+            duration = stages[key[1]].weight_grad
+        end = start + duration
+        if fwd is not None:
+            f_end[(fwd[0], cfg.stage_of(r, fwd[1]))] = end
+        if bwd is not None:
+            b_end[(bwd[0], cfg.stage_of(r, bwd[1]))] = end
+        clock[r], busy[r] = end, busy[r] + duration
+        return True
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(cfg.pp):
+            while pos[r] < len(actions[r]) and place(r, actions[r][pos[r]]):
+                pos[r], progress = pos[r] + 1, True
+    assert all(pos[r] == len(actions[r]) for r in range(cfg.pp))
+    return busy, max(clock)
+
+
+@PROPERTY_SETTINGS
+@given(
+    schedule=st.sampled_from(["1f1b", "interleaved", "combined_1f1b", "zb1p", "zbv", "dualpipev"]),
+    pp=st.integers(2, 4),
+    data=st.data(),
+)
+def test_per_stage_costs_match_a_plain_replay(schedule, pp, data):
+    vp = 2 if schedule in ("interleaved", "zbv", "dualpipev") else data.draw(st.sampled_from([1, 2]))
+    microbatches = data.draw(st.sampled_from([2 * pp, 3 * pp]))
+    try:
+        cfg = make_config(schedule, pp, vp, microbatches)
+    except ValueError:
+        assume(False)
+    price = st.integers(0, 6).map(float)
+    stages = [StageCost(data.draw(price), data.draw(price), data.draw(price)) for _ in range(cfg.num_stages)]
+    result = simulate(cfg, CostModel(stages=stages))
+    busy, makespan = _reference_replay(cfg, stages, all_rank_actions(cfg))
+    assert result.pipeline_makespan == pytest.approx(makespan)
+    assert result.busy == pytest.approx(busy)
+
+
+def test_uniform_stages_equal_the_uniform_prices():
+    cfg = make_config("zbv", 2, 2, 8)
+    uniform = CostModel(forward=1, backward=2, weight_grad=1.5)
+    staged = CostModel(forward=9, backward=9, weight_grad=9, stages=[StageCost(1, 2, 1.5)] * 4)
+    assert simulate(cfg, staged).events == simulate(cfg, uniform).events
+
+
+def test_per_stage_costs_of_the_wrong_length_are_refused():
+    with pytest.raises(ValueError, match=r"CostModel.stages has 2 entries but the table has 4 virtual stages"):
+        simulate(make_config("interleaved", 2, 2, 4), CostModel(stages=[(1, 2), (1, 2)]))
+    with pytest.raises(ValueError, match=r"stages\[1\].backward=-1"):
+        CostModel(stages=[(1, 2), (1, -1)])
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from lightning_pp.schedules import (
     CostModel,
     ScheduleConfig,
     SimulationResult,
+    StageCost,
     rank_actions,
     simulate,
     split_backwards,
@@ -93,6 +94,8 @@ class PipelineStats:
     ideal: SimulationResult
     compute_costs: dict = field(default_factory=dict)  # kind -> mean busy seconds less all-to-all waits
     a2a_costs: dict = field(default_factory=dict)  # kind -> mean all-to-all wait seconds inside one action
+    stage_costs: tuple = ()  # StageCost per virtual stage: mean F / B / W compute seconds
+    ideal_per_stage: Optional[SimulationResult] = None  # the ideal with each stage's own prices
     extra: list = field(default_factory=list)  # each record's ``extra``
 
     @property
@@ -103,6 +106,11 @@ class PipelineStats:
     @property
     def ideal_bubble(self) -> float:
         return self.ideal.bubble_fraction
+
+    @property
+    def ideal_bubble_per_stage(self) -> Optional[float]:
+        """The simulator's bubble with each virtual stage's own measured prices (``stage_costs``)."""
+        return self.ideal_per_stage.bubble_fraction if self.ideal_per_stage is not None else None
 
     @property
     def ideal_rank_bubble(self) -> list:
@@ -118,6 +126,8 @@ class PipelineStats:
             f"{prefix}recv_wait_ms": _mean(self.recv_wait) * 1e3,
             f"{prefix}optimizer_ms": max(self.optimizer, default=0.0) * 1e3,
         }
+        if self.ideal_per_stage is not None:
+            out[f"{prefix}ideal_bubble_per_stage"] = self.ideal_bubble_per_stage
         for kind, name in (("F", "forward"), ("B", "backward"), ("FB", "forward_backward"), ("W", "weight_grad")):
             if kind in self.costs:
                 out[f"{prefix}{name}_ms"] = self.costs[kind] * 1e3
@@ -135,8 +145,9 @@ class PipelineStats:
         costs = " ".join(f"{kind} {self.costs[kind] * 1e3:.2f}ms" for kind in COMPUTE_KINDS if kind in self.costs)
         text = (
             f"{self.config.schedule} pp={self.config.pp} vp={self.config.vp} m={self.config.microbatches}: "
-            f"bubble {self.bubble_fraction:.1%} (ideal {self.ideal_bubble:.1%}), "
-            f"step {self.step_time * 1e3:.1f}ms, {costs}"
+            f"bubble {self.bubble_fraction:.1%} (ideal {self.ideal_bubble:.1%}"
+            + (f"; {self.ideal_bubble_per_stage:.1%} at each stage's own costs" if self.ideal_per_stage is not None else "")
+            + f"), step {self.step_time * 1e3:.1f}ms, {costs}"
         )
         if self.a2a_hidden is not None:
             text += f", a2a hidden {self.a2a_hidden:.0%}"
@@ -210,12 +221,13 @@ def _coordinates(records: list[RankTimeline], config: ScheduleConfig) -> list[tu
     return out
 
 
-def ideal_costs(costs: dict, a2a: Optional[dict] = None) -> CostModel:
+def ideal_costs(costs: dict, a2a: Optional[dict] = None, stages: Sequence[StageCost] = ()) -> CostModel:
     """The simulator's cost model for measured mean action costs (seconds): ``costs`` the compute
     time of ``F`` / ``B`` (and ``FB``, ``W``) actions, ``a2a`` the all-to-all wait of plain ``F`` / ``B``
     actions (exposed there: nothing overlaps it), which the simulator adds to those actions and
     overlaps with compute in ``FB`` ones. Point-to-point is free. Without plain ``F`` / ``B``
-    actions a combined ``FB`` is split 1:2, the usual ratio."""
+    actions a combined ``FB`` is split 1:2, the usual ratio. ``stages``: per-stage compute prices
+    (``CostModel.stages``), if the ideal is to see the stages' differences."""
     forward, backward = costs.get("F"), costs.get("B")
     if "FB" in costs and (forward is None or backward is None):
         if forward is None and backward is None:
@@ -229,7 +241,56 @@ def ideal_costs(costs: dict, a2a: Optional[dict] = None) -> CostModel:
     # input gradient only, as measured.
     return CostModel(forward=float(forward or 0.0), backward=float(backward or 0.0),
                      weight_grad=float(costs.get("W", 0.0)),
-                     a2a_forward=float(a2a.get("F", 0.0)), a2a_backward=float(a2a.get("B", 0.0)))
+                     a2a_forward=float(a2a.get("F", 0.0)), a2a_backward=float(a2a.get("B", 0.0)), stages=tuple(stages))
+
+
+def _action_costs(records: list[RankTimeline], per_rank: list, coordinates: list, config: ScheduleConfig) -> tuple:
+    """``(costs, counts, compute_costs, a2a_costs, stage_costs)`` of the step's compute actions:
+    mean busy time and number per kind, mean busy time less all-to-all waits per kind (a full
+    backward in a table that splits others is priced as B + W, so it is kept apart), mean
+    all-to-all wait per kind, and the compute prices of each virtual stage (``StageCost``)."""
+    by_kind: dict = {}
+    compute_by_kind: dict = {}
+    a2a_by_kind: dict = {}
+    by_stage: dict = {}  # (stage, kind) -> compute seconds; kind "B+W" for an unsplit backward of a split table
+    unsplit: list = []
+    for record, items, (pp_rank, _) in zip(records, per_rank, coordinates):
+        a2a_waits = _covered([span for span, _, _ in items], record.spans, A2A_WAIT)
+        split = split_backwards(rank_actions(config, pp_rank))
+        for (span, b, _), a2a_wait in zip(items, a2a_waits):
+            by_kind.setdefault(span.kind, []).append(b)
+            a2a_by_kind.setdefault(span.kind, []).append(a2a_wait)
+            kind = span.kind
+            if split and span.kind == ActionKind.BACKWARD and (span.microbatch, span.chunk) not in split:
+                unsplit.append(b - a2a_wait)  # the simulator prices it as B + W
+                kind = "B+W"
+            else:
+                compute_by_kind.setdefault(span.kind, []).append(b - a2a_wait)
+            by_stage.setdefault((config.stage_of(pp_rank, span.chunk), kind), []).append(b - a2a_wait)
+    if unsplit and ActionKind.BACKWARD not in compute_by_kind:  # no split B measured: full minus W
+        weight = _mean(compute_by_kind.get(ActionKind.WEIGHT_GRAD, [0.0]))
+        compute_by_kind[ActionKind.BACKWARD] = [max(0.0, u - weight) for u in unsplit]
+    compute_costs = {kind: _mean(values) for kind, values in compute_by_kind.items()}
+    return ({kind: _mean(values) for kind, values in by_kind.items()},
+            {kind: len(values) for kind, values in by_kind.items()},
+            compute_costs,
+            {kind: _mean(values) for kind, values in a2a_by_kind.items()},
+            _stage_costs(by_stage, ideal_costs(compute_costs), config.num_stages))
+
+
+def _stage_costs(by_stage: dict, uniform: CostModel, num_stages: int) -> tuple[StageCost, ...]:
+    """Each virtual stage's mean ``F`` / ``B`` / ``W`` compute time; a kind a stage did not run as a
+    plain action (a combined ``FB`` table's steady state) takes the uniform price."""
+    def mean(stage: int, kind: str, default: float) -> float:
+        values = by_stage.get((stage, kind))
+        return _mean(values) if values else default
+
+    out = []
+    for stage in range(num_stages):
+        weight = mean(stage, ActionKind.WEIGHT_GRAD, uniform.weight_grad)
+        backward = mean(stage, ActionKind.BACKWARD, max(0.0, mean(stage, "B+W", uniform.backward + weight) - weight))
+        out.append(StageCost(mean(stage, ActionKind.FORWARD, uniform.forward), backward, weight))
+    return tuple(out)
 
 
 def analyze(spans_per_rank: Sequence[Any], config: ScheduleConfig, alignment: str = "auto") -> PipelineStats:
@@ -252,27 +313,7 @@ def analyze(spans_per_rank: Sequence[Any], config: ScheduleConfig, alignment: st
 
     busy = [sum(b for _, b, _ in items) for items in per_rank]
     waited = [sum(w for _, _, w in items) for items in per_rank]
-    by_kind: dict = {}
-    compute_by_kind: dict = {}
-    a2a_by_kind: dict = {}
-    unsplit: list = []  # compute time of full backwards in tables that split others (not priced as B)
-    for record, items, (pp_rank, _) in zip(records, per_rank, coordinates):
-        a2a_waits = _covered([span for span, _, _ in items], record.spans, A2A_WAIT)
-        split = split_backwards(rank_actions(config, pp_rank))
-        for (span, b, _), a2a_wait in zip(items, a2a_waits):
-            by_kind.setdefault(span.kind, []).append(b)
-            a2a_by_kind.setdefault(span.kind, []).append(a2a_wait)
-            if split and span.kind == ActionKind.BACKWARD and (span.microbatch, span.chunk) not in split:
-                unsplit.append(b - a2a_wait)  # the simulator prices it as B + W
-            else:
-                compute_by_kind.setdefault(span.kind, []).append(b - a2a_wait)
-    if unsplit and ActionKind.BACKWARD not in compute_by_kind:  # no split B measured: full minus W
-        weight = _mean(compute_by_kind.get(ActionKind.WEIGHT_GRAD, [0.0]))
-        compute_by_kind[ActionKind.BACKWARD] = [max(0.0, u - weight) for u in unsplit]
-    costs = {kind: _mean(values) for kind, values in by_kind.items()}
-    counts = {kind: len(values) for kind, values in by_kind.items()}
-    compute_costs = {kind: _mean(values) for kind, values in compute_by_kind.items()}
-    a2a_costs = {kind: _mean(values) for kind, values in a2a_by_kind.items()}
+    costs, counts, compute_costs, a2a_costs, stage_costs = _action_costs(records, per_rank, coordinates, config)
 
     if length > 0:
         rank_bubble = [1.0 - b / length for b in busy]
@@ -305,6 +346,8 @@ def analyze(spans_per_rank: Sequence[Any], config: ScheduleConfig, alignment: st
         ideal=simulate(config, ideal_costs(compute_costs, a2a_costs)),
         compute_costs=compute_costs,
         a2a_costs=a2a_costs,
+        stage_costs=stage_costs,
+        ideal_per_stage=simulate(config, ideal_costs(compute_costs, a2a_costs, stage_costs)),
         extra=[r.extra for r in records],
     )
 

@@ -17,7 +17,7 @@ from lightning_pp.schedules.actions import (
     stage_owner,
     virtual_stage,
 )
-from lightning_pp.schedules.costs import CostModel, allreduce_time
+from lightning_pp.schedules.costs import CostModel, StageCost, allreduce_time
 from lightning_pp.schedules.plot import plot_timeline
 from lightning_pp.schedules.render import ascii_timeline, chrome_trace, stats_table
 from lightning_pp.schedules.simulator import SimulationResult, simulate
@@ -39,6 +39,7 @@ __all__ = [
     "Action",
     "ActionKind",
     "CostModel",
+    "StageCost",
     "SimulationResult",
     "BACKWARD",
     "FORWARD",

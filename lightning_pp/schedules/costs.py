@@ -11,6 +11,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class StageCost(NamedTuple):
+    """Compute time of one action of one virtual stage: ``forward`` (F), ``backward`` (B: the input
+    gradient when its W is split off, else the whole backward less ``weight_grad``) and
+    ``weight_grad`` (W), with the meanings of the :class:`CostModel` fields of the same names."""
+
+    forward: float
+    backward: float
+    weight_grad: float = 0.0
+
+
+def _check_cost(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == math.inf:
+        raise ValueError(f"{name}={value!r} is invalid: it must be a finite number >= 0.")
 
 
 @dataclass(frozen=True)
@@ -23,6 +39,11 @@ class CostModel:
     * ``weight_grad``: weight-gradient time. Part of every full backward; a split backward (one
       whose (microbatch, chunk) has a ``W`` on its rank) computes only the input gradient and
       costs ``backward``, and its ``W`` costs ``weight_grad``.
+    * ``stages``: optional, one :class:`StageCost` per virtual stage, replacing the three uniform
+      prices above for that stage. Real stages differ (the first has no input gradient to compute,
+      the last computes the loss, an embedding or head is heavier than a block); with one price per
+      kind the simulator cannot see that. Its length must equal the simulated table's number of
+      virtual stages (``pp * vp``).
 
     Expert-parallel all-to-all (MoE dispatch + combine), exposed inside each action:
 
@@ -56,8 +77,13 @@ class CostModel:
     grad_bytes: float = 0
     dp_latency: float = 0.0
     dp_bandwidth: float = math.inf
+    stages: tuple[StageCost, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(StageCost(*stage) for stage in self.stages))
+        for index, stage in enumerate(self.stages):
+            for name, value in stage._asdict().items():
+                _check_cost(f"stages[{index}].{name}", value)
         for name in (
             "forward",
             "backward",
@@ -69,9 +95,7 @@ class CostModel:
             "grad_bytes",
             "dp_latency",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == math.inf:
-                raise ValueError(f"{name}={value!r} is invalid: it must be a finite number >= 0.")
+            _check_cost(name, getattr(self, name))
         for name in ("p2p_bandwidth", "dp_bandwidth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -80,6 +104,18 @@ class CostModel:
                 )
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
             raise ValueError(f"dp_size={self.dp_size!r} is invalid: it must be a positive integer (>= 1).")
+
+    def stage_costs(self, num_stages: int) -> tuple[StageCost, ...]:
+        """The compute prices of each of ``num_stages`` virtual stages: ``stages``, or the uniform
+        prices for every stage. Raises ``ValueError`` if ``stages`` has another length."""
+        if not self.stages:
+            return (StageCost(self.forward, self.backward, self.weight_grad),) * num_stages
+        if len(self.stages) != num_stages:
+            raise ValueError(
+                f"CostModel.stages has {len(self.stages)} entries but the table has {num_stages} virtual stages "
+                f"(pp * vp): give one StageCost per virtual stage, in stage order, or none for uniform costs."
+            )
+        return self.stages
 
     def p2p_time(self) -> float:
         """Time of one stage-boundary message between two ranks."""
@@ -110,4 +146,4 @@ def allreduce_time(num_bytes: float, num_ranks: int, latency: float, bandwidth: 
     return ring, "ring"
 
 
-__all__ = ["CostModel", "allreduce_time"]
+__all__ = ["CostModel", "StageCost", "allreduce_time"]

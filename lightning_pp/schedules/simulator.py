@@ -27,7 +27,8 @@ once, so the cost is O(total actions). If every rank is parked while some still 
 tables deadlock and :func:`simulate` raises ``RuntimeError`` naming the stuck ranks.
 
 Costs (:class:`~lightning_pp.schedules.costs.CostModel`, re-exported here) are per (microbatch,
-chunk) action and unit-free. :class:`SimulationResult` holds what was found.
+chunk) action and unit-free, one price per kind or (``CostModel.stages``) per virtual stage.
+:class:`SimulationResult` holds what was found.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from lightning_pp.schedules.actions import (
     Action,
     check_actions,
 )
-from lightning_pp.schedules.costs import CostModel, allreduce_time
+from lightning_pp.schedules.costs import CostModel, StageCost, allreduce_time
 from lightning_pp.schedules.tables import ScheduleConfig, all_rank_actions
 
 #: One placed action: (pipeline rank, action, start time, end time).
@@ -174,17 +175,16 @@ class _Replay:
         self.b_hop = [hop if owner[s + 1] != owner[s] else 0.0 for s in range(len(owner) - 1)] + [0.0]
 
     def _durations(self, costs: CostModel) -> None:
-        """Duration and exposed all-to-all per kind; B and FB indexed by the split flag (0 = full
-        backward, weight gradient included; 1 = input gradient only, its W priced separately)."""
-        forward = costs.forward
-        backward = (costs.backward + costs.weight_grad, costs.backward)
-        fb_comm = costs.a2a_forward + costs.a2a_backward
-        self.dur_f = forward + costs.a2a_forward
-        self.dur_b = tuple(b + costs.a2a_backward for b in backward)
-        self.dur_fb = tuple(max(forward + b, fb_comm) for b in backward)
-        self.dur_w = costs.weight_grad
+        """Compute time per virtual stage and kind (``CostModel.stage_costs``; B indexed by the split
+        flag: 0 = full backward, weight gradient included; 1 = input gradient only, its W priced
+        separately) and the exposed all-to-all per kind. An FB's duration depends on both its
+        stages, so it is formed where it is placed."""
+        stages = costs.stage_costs(self.cfg.num_stages)
+        self.comp_f = [stage.forward for stage in stages]
+        self.comp_b = [(stage.backward + stage.weight_grad, stage.backward) for stage in stages]
+        self.dur_w = [stage.weight_grad for stage in stages]
         self.exp_f, self.exp_b = costs.a2a_forward, costs.a2a_backward
-        self.exp_fb = tuple(max(0.0, fb_comm - (forward + b)) for b in backward)
+        self.fb_comm = costs.a2a_forward + costs.a2a_backward
 
     # -- inputs: each returns the earliest start >= ``start``, or -1.0 after parking rank r --------
     def _forward_input(self, r: int, stage: int, idx: int, start: float) -> float:
@@ -239,7 +239,7 @@ class _Replay:
         start = self._forward_input(r, stage, idx, t)
         if start < 0:
             return start
-        end = start + self.dur_f
+        end = start + self.comp_f[stage] + self.exp_f
         self.f_end[idx] = end
         if stage != self.last_stage:
             self._wake(self.f_consumer[stage], idx)
@@ -252,7 +252,7 @@ class _Replay:
         if start < 0:
             return start
         split = self.split[idx]
-        end = start + self.dur_b[split]
+        end = start + self.comp_b[stage][split] + self.exp_b
         self.b_end[idx] = end
         if stage:
             self._wake(self.b_consumer[stage], ~idx)
@@ -270,7 +270,8 @@ class _Replay:
         if start < 0:
             return start
         split = self.split[b_idx]
-        end = start + self.dur_fb[split]
+        compute = self.comp_f[f_stage] + self.comp_b[b_stage][split]
+        end = start + (compute if compute > self.fb_comm else self.fb_comm)
         self.f_end[f_idx] = end
         self.b_end[b_idx] = end
         if f_stage != self.last_stage:
@@ -280,17 +281,18 @@ class _Replay:
         # The forward half allocates before the backward half frees (if it frees at all).
         if self.inflight[r] + 1 > self.peak[r]:
             self.peak[r] = self.inflight[r] + 1
-        return self._done(r, action, start, end, self.exp_fb[split], split)
+        return self._done(r, action, start, end, max(0.0, self.fb_comm - compute), split)
 
     def _weight(self, r: int, action: Action, t: float) -> float:
-        idx = self.stage_of[r][action[2]] * self.m + action[1]
+        stage = self.stage_of[r][action[2]]
+        idx = stage * self.m + action[1]
         start = self.b_end[idx]
         if start < 0:  # own backward is later in this list: never
             self.waiting[r] = ~idx
             return start
         if start < t:
             start = t
-        return self._done(r, action, start, start + self.dur_w, 0.0, -1)
+        return self._done(r, action, start, start + self.dur_w[stage], 0.0, -1)
 
     def run(self) -> None:
         """Advance ranks until every rank is done or parked; raise if some are stuck."""
@@ -364,4 +366,4 @@ def _describe_key(cfg: ScheduleConfig, key: int) -> str:
     return f"{kind} of microbatch {microbatch} at stage {stage} (rank {rank}, chunk {chunk})"
 
 
-__all__ = ["CostModel", "SimulationResult", "allreduce_time", "simulate", "Event"]
+__all__ = ["CostModel", "SimulationResult", "StageCost", "allreduce_time", "simulate", "Event"]
