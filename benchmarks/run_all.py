@@ -6,7 +6,8 @@
 Runs each benchmark in turn (each spawns its own gloo processes), prints its table, then the
 summary lines: ratio_vs_torch_<schedule> for 1f1b, interleaved, zb1p, zb1p_vp2, zbv and dualpipev,
 ratio_best_vs_torch_best, bubble_measured_over_simulated_<schedule> (and ``_calibrated``, with the
-measured transfer cost), a2a_hidden_fraction, ratio_vs_torch_moe_combined,
+measured transfer cost; ``_per_stage`` and ``_per_stage_calibrated``, with each stage's own costs),
+a2a_hidden_fraction, ratio_vs_torch_moe_combined,
 ratio_vs_torch_moe_dualpipev, peak_memory_ratio_vs_torch, monitor_overhead, batch_check_bound,
 rng_streams_bound, schedule_generate_simulate_seconds, and the supporting figures.
 """
@@ -72,7 +73,7 @@ def main(argv=None) -> dict:
         hidden=512, microbatches=8, steps=10 if q else 20, quick=False, schedules=",".join(bubble)),
         {"bubble_measured_over_simulated": "bubble_measured_over_simulated"}
         | {f"bubble_measured_over_simulated_{s}{c}": f"bubble_measured_over_simulated_{s}{c}"
-           for s in bubble for c in ("", "_calibrated")}
+           for s in bubble for c in ("", "_calibrated", "_per_stage", "_per_stage_calibrated")}
         | {f"bubble_measured_over_{ref}_{s}": f"bubble_measured_over_{ref}_{s}"
            for ref in ("rank_means", "replayed") for s in bubble})
     section("All-to-all hidden by combined 1F1B (emulated link)", "bench_a2a_overlap",
