@@ -104,6 +104,39 @@ def test_weight_gradients_are_computed_at_w():
             assert any(k == {"B"} for name, k in last.items() if name.startswith("blocks.")), last
 
 
+def _plan_accumulations(rank, world):
+    """One dualpipev step of an MoE model (its chunks run through schedule plans): for every
+    weight-gradient accumulation, the parameter and the action running then; and the rank's
+    split backwards (those with a W)."""
+    from lightning_pp.runtime import build_pipeline
+    from lightning_pp.schedules import rank_actions, split_backwards
+    from test_moe import _model
+
+    model = _model()
+    executor = build_pipeline(model, pipeline_parallel_size=2, virtual_pipeline_size=2, num_microbatches=4,
+                              schedule="dualpipev")
+    events = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda _p, name=name: events.append((name, executor.position.action)))
+    executor.train_step(token_batches(5, 8, 6, 1)[0])
+    split = split_backwards(rank_actions(executor.config, executor.pp_rank))
+    return [(name, str(a.kind), a.backward_part() or (a.microbatch, a.chunk)) for name, a in events], split
+
+
+@pytest.mark.timeout(120)
+def test_schedule_plans_leave_weight_gradients_to_w():
+    # DualPipeV runs MoE chunks node by node through their schedule plans: a backward that has a W
+    # computes no weight gradient, every node leaves its weight half to the W; the other backwards
+    # (fused FB steps whose table has no W for them) accumulate as one backward does.
+    for rank, (events, split) in enumerate(run_distributed(_plan_accumulations, 2, timeout=100)):
+        at_w = {part for _, kind, part in events if kind == "W"}
+        assert at_w == set(split), f"rank {rank}: W actions accumulated {sorted(at_w)}, split {sorted(split)}"
+        early = [(name, kind, part) for name, kind, part in events if kind != "W" and part in split]
+        assert not early, f"rank {rank}: weight gradients of split backwards accumulated before their W: {early[:5]}"
+        assert any(kind != "W" for _, kind, _ in events), f"rank {rank}: no unsplit backward accumulated"
+
+
 MOE = [  # pp 2 x ep 2, with the router's auxiliary losses; the first is the 1F1B baseline
     dict(pp=2, ep=2, vp=1, m=4, batch=8, schedule="1f1b", aux=0.01, z=0.001),
     dict(pp=2, ep=2, vp=1, m=4, batch=8, schedule="zb1p", aux=0.01, z=0.001),

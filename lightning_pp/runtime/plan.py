@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from lightning_pp.runtime import context
 from lightning_pp.runtime.waits import wait_for
-from lightning_pp.runtime.weight_grad import engine_backward
+from lightning_pp.runtime.weight_grad import deferred_weights, engine_backward
 
 Tensors = tuple
 
@@ -210,10 +210,14 @@ class ScheduleNode:
                     if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None:
                         roots.append(out)
                         root_grads.append(grad)
-                if roots:
-                    engine_backward(roots, root_grads)
-                in_grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
-                                 for t in self.inputs)
+                weights = deferred_weights()
+                if weights is not None:  # zero-bubble B: the inputs' gradients now, the weights' at W
+                    in_grads = weights.input_grads(roots, root_grads, self.inputs)
+                else:
+                    if roots:
+                        engine_backward(roots, root_grads)
+                    in_grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+                                     for t in self.inputs)
         self.input_grads = in_grads
         self.inputs, self.outputs = (), ()
         return in_grads

@@ -25,7 +25,7 @@ from lightning_pp.runtime.p2p import PointToPoint
 from lightning_pp.runtime.partition import Partition
 from lightning_pp.runtime.rng import StageRNG
 from lightning_pp.runtime.timeline import Timeline
-from lightning_pp.runtime.weight_grad import WeightGrad, backward_input, engine_backward
+from lightning_pp.runtime.weight_grad import DeferredWeights, backward_input, deferring, engine_backward
 from lightning_pp.schedules import ScheduleConfig
 from lightning_pp.schedules.messages import Message
 
@@ -52,7 +52,7 @@ class StepState:
     count: torch.Tensor
     saved: dict = field(default_factory=dict)  # (microbatch, chunk) -> Stash
     deferred: frozenset = frozenset()  # (microbatch, chunk) whose weight gradient is a later W action
-    weight_work: dict = field(default_factory=dict)  # (microbatch, chunk) -> WeightGrad, from B to its W
+    weight_work: dict = field(default_factory=dict)  # (microbatch, chunk) -> WeightGrad or DeferredWeights, B to W
     local: dict = field(default_factory=dict)  # same-rank hand-offs: Message -> (tensors, as_tuple)
     outputs: list = field(default_factory=list)  # last stage, forward-only: per-microbatch outputs
 
@@ -94,10 +94,9 @@ class StageRunner:
 
     def backward(self, state: StepState, microbatch: int, chunk_id: int) -> None:
         if state.saved[(microbatch, chunk_id)].plan is not None:
-            with self._context(state, microbatch, chunk_id):
+            with self._context(state, microbatch, chunk_id), self._defer_weights(state, microbatch, chunk_id):
                 plan, hooks = self._backward_plan(state, microbatch, chunk_id)
                 type(plan).run(None, plan, **hooks)
-            self._nothing_deferred(state, microbatch, chunk_id)
             return
         received, _, roots, grads = self._output_grads(state, microbatch, chunk_id)
         with self._context(state, microbatch, chunk_id):
@@ -113,12 +112,14 @@ class StageRunner:
                 in_grads = tuple(t.grad for t in received)
         self._finish_backward(state, microbatch, chunk_id, received, in_grads)
 
-    @staticmethod
-    def _nothing_deferred(state: StepState, microbatch: int, chunk_id: int) -> None:
-        # A backward run through a schedule plan computes its weight gradients node by node, within
-        # the plan; its W action then has nothing left to do.
-        if (microbatch, chunk_id) in state.deferred:
-            state.weight_work[(microbatch, chunk_id)] = WeightGrad([])
+    def _defer_weights(self, state: StepState, microbatch: int, chunk_id: int):
+        """Around a backward run through a schedule plan: if its weight gradient is a later W
+        action, every compute node of the plan leaves its weight half for it."""
+        if (microbatch, chunk_id) not in state.deferred:
+            return deferring(None)
+        weights = DeferredWeights(list(self.partition.chunks[chunk_id].parameters()))
+        state.weight_work[(microbatch, chunk_id)] = weights
+        return deferring(weights)
 
     def weight(self, state: StepState, microbatch: int, chunk_id: int) -> None:
         """The deferred weight gradient of a backward that ran as input-gradient only."""
@@ -132,10 +133,10 @@ class StageRunner:
             self.forward(state, *f)
             self.backward(state, *b)
             return
-        with self._context(state, *f), self.rng.stream(f[1]):  # backward nodes draw no random numbers
+        # Backward nodes draw no random numbers; only b's nodes run backwards, so only they defer.
+        with self._context(state, *f), self.rng.stream(f[1]), self._defer_weights(state, *b):
             f_plan, f_hooks = self._forward_plan(state, *f)
             b_plan, b_hooks = self._backward_plan(state, *b)
-            self._nothing_deferred(state, *b)
             if type(f_plan) is type(b_plan):  # the plan class fuses them, the hooks carry the transfers
                 type(f_plan).run(f_plan, b_plan, **f_hooks, **b_hooks)
             else:  # chunks of different plan classes (a layer with its own): one after the other

@@ -20,6 +20,10 @@ Details that keep it exact:
   hooks fire at W); a parameter no path reaches keeps ``grad = None``.
 * A stage whose inputs need no gradient (the first stage) has no input path: ``B`` does nothing
   and ``W`` is the whole backward.
+* A chunk run through a schedule plan (combined steps, DualPipeV with MoE layers) is a chain of
+  nodes, each its own autograd segment: while its backward runs under :func:`deferring`, every
+  compute node splits its own segment the same way (:class:`DeferredWeights`), and the ``W``
+  runs the nodes' weight halves in the order their backwards ran.
 * Activation-checkpointed layers recompute their forward once per autograd call that needs it, so
   with (non-reentrant) checkpointing a ``W`` reaching into such a layer recomputes it again
   (exact, slower). Reentrant checkpointing (``use_reentrant=True``) refuses an autograd call that
@@ -29,7 +33,8 @@ Details that keep it exact:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -153,6 +158,52 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch
         pins = [(node, captured[node]) for node in boundary if node in captured]
         work.append((members, seeds, pins))
     return tuple(in_grads), WeightGrad(work)
+
+
+class DeferredWeights:
+    """The weight halves of a schedule plan's node backwards for one (microbatch, chunk): each
+    compute node asks :meth:`input_grads` for its inputs' gradients instead of running a whole
+    backward; :meth:`run` (the ``W`` action) then accumulates the weights' gradients, node by node
+    in the order their backwards ran (the order of one backward)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.parts: list[WeightGrad] = []
+
+    def input_grads(self, roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
+                    inputs: Sequence) -> tuple:
+        """The gradients of a node's ``inputs`` (``None`` for non-tensors and where none flows);
+        the node's weight half is kept for :meth:`run`."""
+        leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        needed, work = backward_input(roots, grads, leaves, self.params)
+        self.parts.append(work)
+        it = iter(needed)
+        return tuple(next(it, None) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs)
+
+    def run(self) -> None:
+        parts, self.parts = self.parts, []
+        for part in parts:
+            part.run()
+
+
+_deferring: Optional[DeferredWeights] = None
+
+
+@contextmanager
+def deferring(weights: Optional[DeferredWeights]) -> Iterator[None]:
+    """While active, schedule-plan compute nodes leave their weight gradients to ``weights``
+    (``None``: run whole backwards, as outside)."""
+    global _deferring
+    previous, _deferring = _deferring, weights
+    try:
+        yield
+    finally:
+        _deferring = previous
+
+
+def deferred_weights() -> Optional[DeferredWeights]:
+    """Where plan nodes leave their weight halves now, or ``None`` (whole backwards)."""
+    return _deferring
 
 
 def _param_groups(params: list, parents: dict[Node, list[Node]], input_path: set) -> list:
