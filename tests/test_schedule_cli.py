@@ -112,6 +112,16 @@ def test_json_defaults_and_cost_flags(capsys):
     assert data["stats"]["peak_inflight"] == [3, 2, 1]
 
 
+def test_stage_costs_flag(capsys):
+    # pp=2, m=2, 1F1B, stage 0: F=1 B=2, stage 1: F=3 B=5: the makespan placed by hand in
+    # test_simulator.test_per_stage_costs_two_stages_by_hand is 19 (uniform F=1 B=2: (m+p-1)*3 = 9).
+    assert main(["--pp", "2", "--microbatches", "2", "--format", "json", "--stage-costs", "1,2; 3,5"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["makespan"] == pytest.approx(19)
+    uneven = "1,0.1,1.9;1,1,1;1,1,1;1.3,1.2,1"  # zbv: 4 virtual stages, W split
+    assert main(["--pp", "2", "--schedule", "zbv", "--microbatches", "4", "--stage-costs", uneven]) == 0
+    assert "bubble" in capsys.readouterr().out
+
+
 def test_invalid_input_exits_2_with_message_and_no_traceback():
     proc = run_cli("--pp", "4", "--vp", "1", "--schedule", "interleaved")
     assert proc.returncode == 2
@@ -128,6 +138,10 @@ def test_invalid_input_exits_2_with_message_and_no_traceback():
         (["--pp", "2", "--schedule", "nope"], "schedule='nope'"),
         (["--pp", "2", "--forward", "-1"], "forward=-1.0"),
         (["--pp", "2", "--dp", "0"], "dp_size=0"),
+        (["--pp", "2", "--stage-costs", "1,2"], "CostModel.stages has 1 entries but the table has 2 virtual stages"),
+        (["--pp", "2", "--stage-costs", "1,2;1"], "--stage-costs='1,2;1' is invalid at stage 1 ('1')"),
+        (["--pp", "2", "--stage-costs", "1,2;1,x"], "each virtual stage takes 'forward,backward'"),
+        (["--pp", "2", "--stage-costs", "1,2;1,-2"], "stages[1].backward=-2.0"),
     ],
 )
 def test_invalid_input_returns_2_with_message(args, message, capsys):

@@ -4,6 +4,7 @@
     python -m lightning_pp.schedules --pp 4 --format json
     python -m lightning_pp.schedules --pp 8 --plot timeline.png --trace trace.json
     python -m lightning_pp.schedules --pp 4 --schedule zbv --microbatches 8
+    python -m lightning_pp.schedules --pp 2 --stage-costs "1,2;1.4,2.6"   # a last stage 30 % heavier
 
 Invalid configurations print the validation message and exit with status 2.
 """
@@ -17,7 +18,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from lightning_pp.schedules.costs import CostModel
+from lightning_pp.schedules.costs import CostModel, StageCost
 from lightning_pp.schedules.plot import plot_timeline
 from lightning_pp.schedules.render import ascii_timeline, chrome_trace, stats_table
 from lightning_pp.schedules.simulator import simulate
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight-gradient time: part of every full backward, the cost of each W (default: 0; 1 for "
         f"{', '.join(ZERO_BUBBLE_SCHEDULES)}, so that B + W = 2 either way)",
     )
+    costs.add_argument(
+        "--stage-costs", default=None, metavar="F,B[,W];...",
+        help="compute prices per virtual stage, in stage order, replacing --forward/--backward/--weight-grad: "
+        "'forward,backward[,weight_grad]' for each of the pp * vp stages, separated by ';'",
+    )
     costs.add_argument("--a2a-forward", type=float, default=0.0, help="expert all-to-all time in each forward")
     costs.add_argument("--a2a-backward", type=float, default=0.0, help="expert all-to-all time in each backward")
     costs.add_argument("--p2p-latency", type=float, default=0.0, help="stage-boundary message latency (alpha)")
@@ -64,6 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--dp-latency", type=float, default=0.0, help="all-reduce per-message latency (alpha)")
     costs.add_argument("--dp-bandwidth", type=float, default=math.inf, help="all-reduce bandwidth, bytes/s")
     return parser
+
+
+def parse_stage_costs(text: str) -> tuple[StageCost, ...]:
+    """``--stage-costs``: ``'forward,backward[,weight_grad]'`` per virtual stage, ``;`` between stages."""
+    stages = []
+    for index, entry in enumerate(part.strip() for part in text.split(";")):
+        try:
+            numbers = [float(x) for x in entry.split(",")]
+        except ValueError:
+            numbers = []
+        if len(numbers) not in (2, 3):
+            raise ValueError(
+                f"--stage-costs={text!r} is invalid at stage {index} ({entry!r}): each virtual stage takes "
+                f"'forward,backward' or 'forward,backward,weight_grad' (numbers), stages separated by ';', "
+                f"e.g. --stage-costs '1,2;1.3,2.6' for pp=2."
+            )
+        stages.append(StageCost(*numbers))
+    return tuple(stages)
 
 
 def _json_report(cfg, result) -> dict:
@@ -112,6 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             grad_bytes=args.grad_bytes,
             dp_latency=args.dp_latency,
             dp_bandwidth=args.dp_bandwidth,
+            stages=parse_stage_costs(args.stage_costs) if args.stage_costs else (),
         )
         result = simulate(cfg, costs)
         timeline = ascii_timeline(result, cfg.pp, args.width) if args.format == "text" else None
