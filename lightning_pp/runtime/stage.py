@@ -25,7 +25,7 @@ from lightning_pp.runtime.p2p import PointToPoint
 from lightning_pp.runtime.partition import Partition
 from lightning_pp.runtime.rng import StageRNG
 from lightning_pp.runtime.timeline import Timeline
-from lightning_pp.runtime.weight_grad import DeferredWeights, backward_input, deferring, engine_backward
+from lightning_pp.runtime.weight_grad import DeferredWeights, deferring, engine_backward
 from lightning_pp.schedules import ScheduleConfig
 from lightning_pp.schedules.messages import Message
 
@@ -52,7 +52,7 @@ class StepState:
     count: torch.Tensor
     saved: dict = field(default_factory=dict)  # (microbatch, chunk) -> Stash
     deferred: frozenset = frozenset()  # (microbatch, chunk) whose weight gradient is a later W action
-    weight_work: dict = field(default_factory=dict)  # (microbatch, chunk) -> WeightGrad or DeferredWeights, B to W
+    weight_work: dict = field(default_factory=dict)  # (microbatch, chunk) -> DeferredWeights, from B to its W
     local: dict = field(default_factory=dict)  # same-rank hand-offs: Message -> (tensors, as_tuple)
     outputs: list = field(default_factory=list)  # last stage, forward-only: per-microbatch outputs
 
@@ -93,33 +93,31 @@ class StageRunner:
         self._finish_forward(state, microbatch, chunk_id, received, output, None)
 
     def backward(self, state: StepState, microbatch: int, chunk_id: int) -> None:
+        weights = self._deferred_weights(state, microbatch, chunk_id)
         if state.saved[(microbatch, chunk_id)].plan is not None:
-            with self._context(state, microbatch, chunk_id), self._defer_weights(state, microbatch, chunk_id):
+            with self._context(state, microbatch, chunk_id), deferring(weights):
                 plan, hooks = self._backward_plan(state, microbatch, chunk_id)
                 type(plan).run(None, plan, **hooks)
             return
         received, _, roots, grads = self._output_grads(state, microbatch, chunk_id)
         with self._context(state, microbatch, chunk_id):
-            if (microbatch, chunk_id) in state.deferred:  # zero-bubble: input gradient now, weights at W
-                needed, work = backward_input(roots or (), grads or (), received,
-                                              list(self.partition.chunks[chunk_id].parameters()))
-                state.weight_work[(microbatch, chunk_id)] = work
-                it = iter(needed)
-                in_grads = tuple(next(it, None) if t.requires_grad else None for t in received)
+            if weights is not None:  # zero-bubble: input gradient now, weights at W
+                in_grads = weights.input_grads(roots or (), grads or (), received)
             else:
                 if roots:
                     engine_backward(roots, grads)
                 in_grads = tuple(t.grad for t in received)
         self._finish_backward(state, microbatch, chunk_id, received, in_grads)
 
-    def _defer_weights(self, state: StepState, microbatch: int, chunk_id: int):
-        """Around a backward run through a schedule plan: if its weight gradient is a later W
-        action, every compute node of the plan leaves its weight half for it."""
+    def _deferred_weights(self, state: StepState, microbatch: int, chunk_id: int) -> Optional[DeferredWeights]:
+        """Where the backward of (microbatch, chunk) leaves its weight gradients for its W action
+        (registered for the W), or ``None`` if the table has no W for it (a whole backward). A
+        chunk run through its schedule plan splits node by node, a plain chunk as one segment."""
         if (microbatch, chunk_id) not in state.deferred:
-            return deferring(None)
+            return None
         weights = DeferredWeights(list(self.partition.chunks[chunk_id].parameters()))
         state.weight_work[(microbatch, chunk_id)] = weights
-        return deferring(weights)
+        return weights
 
     def weight(self, state: StepState, microbatch: int, chunk_id: int) -> None:
         """The deferred weight gradient of a backward that ran as input-gradient only."""
@@ -134,7 +132,7 @@ class StageRunner:
             self.backward(state, *b)
             return
         # Backward nodes draw no random numbers; only b's nodes run backwards, so only they defer.
-        with self._context(state, *f), self.rng.stream(f[1]), self._defer_weights(state, *b):
+        with self._context(state, *f), self.rng.stream(f[1]), deferring(self._deferred_weights(state, *b)):
             f_plan, f_hooks = self._forward_plan(state, *f)
             b_plan, b_hooks = self._backward_plan(state, *b)
             if type(f_plan) is type(b_plan):  # the plan class fuses them, the hooks carry the transfers

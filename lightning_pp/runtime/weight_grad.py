@@ -161,10 +161,11 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch
 
 
 class DeferredWeights:
-    """The weight halves of a schedule plan's node backwards for one (microbatch, chunk): each
-    compute node asks :meth:`input_grads` for its inputs' gradients instead of running a whole
-    backward; :meth:`run` (the ``W`` action) then accumulates the weights' gradients, node by node
-    in the order their backwards ran (the order of one backward)."""
+    """The deferred weight gradients of one (microbatch, chunk): its backward asks
+    :meth:`input_grads` for the inputs' gradients instead of running whole (once for a plain
+    chunk; once per compute node for a chunk run through its schedule plan); :meth:`run` (the
+    ``W`` action) then accumulates the weights' gradients, segment by segment in the order their
+    backwards ran (the order of one backward)."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = [p for p in params if p.requires_grad]
