@@ -88,7 +88,9 @@ def _destroy_process_groups_at_exit() -> None:
         return  # ending on an uncaught exception
     if failure_seen_in_process():
         return
-    dist.destroy_process_group()
+    from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+    _destroy_dist_connection()  # Lightning's own (Ctrl+C cannot interrupt it), which it registers for NCCL
 
 
 _exit_handler_registered = False
