@@ -76,6 +76,43 @@ def test_moe_fit_pp2_ep2_combined_equals_single_device():
     assert seen == set(ref_params)
 
 
+def _fit_dualpipev_default_sampler(rank, world):
+    from lightning_pp import PipelineStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    model = MoEModule()
+    strategy = PipelineStrategy(pipeline_parallel_size=2, expert_parallel_size=2, virtual_pipeline_size=2,
+                                schedule="dualpipev", num_microbatches=4)
+    # The user's own loader over the whole set; Lightning's default distributed sampler shards it
+    # over the two data-parallel replicas (and shuffles it with seed 0).
+    trainer = L.Trainer(devices=world, strategy=strategy, **dict(TRAINER, use_distributed_sampler=True))
+    trainer.fit(model, _data(8))
+    names = model._lpp_executor.partition.parameter_names
+    return {names[id(p)]: p.detach().clone() for p in model.parameters()}
+
+
+@pytest.mark.timeout(300)
+def test_moe_fit_dualpipev_on_lightnings_default_sampler_equals_single_device():
+    # DualPipeV (fused F&B steps run node by node through the MoE chunks' schedule plans, weight
+    # gradients deferred to W inside them), pp 2 x ep 2 (dp 2), Lightning's distributed sampler on.
+    # The reference, one device, takes each step the two replicas' batches together, in the order
+    # torch's DistributedSampler gives them.
+    from torch.utils.data import DistributedSampler
+
+    dataset = _data(8).dataset
+    shards = [list(DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
+    order = [i for k in range(0, len(shards[0]), 8) for shard in shards for i in shard[k:k + 8]]
+    ref = MoEModule()
+    L.Trainer(devices=1, **TRAINER).fit(ref, DataLoader(torch.utils.data.Subset(dataset, order), batch_size=16))
+    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
+    seen = set()
+    for params in run_distributed(_fit_dualpipev_default_sampler, 4, timeout=260):
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-6, atol=1e-9, msg=name)
+            seen.add(name)
+    assert seen == set(ref_params)
+
+
 # -- checkpoints re-shard across expert-parallel (and pipeline) sizes ---------------------------------
 RESUME = dict(TRAINER, max_steps=6, enable_checkpointing=True)
 
