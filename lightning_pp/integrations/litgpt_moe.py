@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from lightning_pp.integrations.litgpt import _Rope
-from lightning_pp.moe.parallel import ExpertParallelMoE, MoERouting, mark_expert_parameters
+from lightning_pp.moe.parallel import ExpertParallelMoE, MoERouting
 
 from litgpt.model import GPT, LLaMAMoE
 
@@ -55,7 +55,6 @@ class MoEBlockLayer(ExpertParallelMoE):
         self.block = block
         self.block_idx = block_idx
         self.rope = _Rope(gpt)
-        mark_expert_parameters(block.mlp.experts)
 
     def extra_repr(self) -> str:
         return f"block_idx={self.block_idx}, n_expert={self.num_experts}, top_k={self.top_k}"

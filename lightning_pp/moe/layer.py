@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pp.moe.parallel import ExpertOnOtherRank, ExpertParallelMoE, MoERouting, mark_expert_parameters  # noqa: F401 (ExpertOnOtherRank: importable from here as before)
+from lightning_pp.moe.parallel import ExpertParallelMoE, MoERouting
 from lightning_pp.runtime import context
 
 
@@ -48,7 +48,6 @@ class Expert(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(hidden, ffn_hidden)
         self.fc2 = nn.Linear(ffn_hidden, hidden)
-        mark_expert_parameters(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))

@@ -18,9 +18,10 @@ Experts are built for the whole model (so one process is the unsharded reference
 :meth:`ExpertParallelMoE.setup_expert_parallel` (called by the runtime after cutting) keeps only
 this rank's share of them in the layer's experts ``ModuleList``, the others replaced by
 :class:`ExpertOnOtherRank`; local experts keep their global names (``experts.5.fc1.weight``), so
-checkpoints re-shard across expert-parallel sizes. Expert parameters carry ``_lpp_expert = True``
-(:func:`mark_expert_parameters`) and are reduced over the expert-data-parallel group. Routing is
-dropless unless ``capacity_factor`` is set.
+checkpoints re-shard across expert-parallel sizes. The parameters of ``expert_list()`` are the
+expert parameters (marked ``_lpp_expert = True`` there) and are reduced over the
+expert-data-parallel group; every other parameter of the layer is dense. Routing is dropless unless
+``capacity_factor`` is set.
 
 The same slot functions run in both execution modes, so they give identical numbers:
 ``forward`` (plain autograd, synchronous all-to-all) and ``schedule_nodes`` (fine-grained nodes
@@ -55,7 +56,10 @@ class MoERouting(NamedTuple):
 
 def mark_expert_parameters(module: nn.Module) -> None:
     """Mark ``module``'s parameters as expert parameters (reduced over the expert-data-parallel
-    group instead of the data-parallel group)."""
+    group instead of the data-parallel group). Not needed for the experts of an
+    :class:`ExpertParallelMoE`: ``setup_expert_parallel`` marks every parameter of its
+    ``expert_list()``. A marked parameter outside every layer's ``expert_list()`` is an error at
+    setup (the runtime could not tell on which ranks it lives)."""
     for p in module.parameters():
         p._lpp_expert = True
 
@@ -147,9 +151,12 @@ class ExpertParallelMoE(nn.Module):
                 f"expert-parallel rank must hold the same number of experts. Use an expert_parallel_size "
                 f"that divides {self.num_experts}, or change {field}."
             )
+        experts = self.expert_list()  # checked before the cut (runtime.check_expert_placement)
+        # What expert_list() returns is the expert set, by construction: its parameters are reduced over
+        # the expert-data-parallel group, never broadcast or averaged with another rank's experts.
+        mark_expert_parameters(experts)
         self.ep_group, self.ep_rank, self.ep_size = group, ep_rank, ep_size
         local = self.num_local_experts
-        experts = self.expert_list()
         for e in range(self.num_experts):
             if not ep_rank * local <= e < (ep_rank + 1) * local:
                 experts[e] = ExpertOnOtherRank(e, e // local)

@@ -101,6 +101,7 @@ def build_pipeline(
             check_batches=check_batches, broadcast_batches=broadcast_batches)
     check_protocol(module)
     layers = layer_list(module)  # once: pipeline_layers() may build new adapter objects every call
+    check_expert_placement(module, layers)
     recomputed = set(checkpointed_layers(layers, config.activation_checkpointing))
     if topology is None:
         config = config.resolve(torch.distributed.get_world_size())
@@ -133,6 +134,48 @@ def setup_expert_parallel(partition: Partition, topology: Topology, device: torc
             for sub in layer.modules():
                 if isinstance(sub, ExpertParallelLayer):
                     sub.setup_expert_parallel(topology.ep_group, topology.ep_rank, topology.ep, device)
+
+
+def check_expert_placement(module: nn.Module, layers: list[nn.Module]) -> None:
+    """Every parameter of the layers is an expert's (in an expert-parallel layer's
+    ``expert_list()``) or dense, never both, and no parameter outside every ``expert_list()`` is
+    marked as an expert's: each kind is reduced over its own group, so a parameter whose placement
+    cannot be told is an error naming it. Run on the whole model before the cut, so every rank
+    decides alike."""
+    experts: list[nn.Module] = []
+    for sub in (sub for layer in layers for sub in layer.modules() if isinstance(sub, ExpertParallelLayer)):
+        listed, count = sub.expert_list(), getattr(sub, "num_experts", None)
+        if not isinstance(listed, nn.ModuleList) or (count is not None and len(listed) != count):
+            what = f"a ModuleList of {len(listed)}" if isinstance(listed, nn.ModuleList) else type(listed).__name__
+            raise ValueError(
+                f"{type(sub).__name__}.expert_list() returned {what}: it must return the nn.ModuleList of all "
+                f"{count} experts, expert e at index e (registered in the module, so each expert-parallel rank "
+                f"can keep its share and replace the others by placeholders).")
+        experts.extend(listed)
+    expert_ids = {id(m) for m in experts}
+    expert_params = {id(p) for m in experts for p in m.parameters()}
+    dense: dict[int, nn.Parameter] = {}
+    stack = list(layers)
+    while stack:  # every module of the layers but the experts' subtrees
+        sub = stack.pop()
+        if id(sub) not in expert_ids:
+            dense.update((id(p), p) for p in sub.parameters(recurse=False))
+            stack.extend(sub.children())
+    names = {id(p): name for name, p in module.named_parameters()}
+    shared = sorted(names.get(pid, "?") for pid in dense if pid in expert_params)
+    if shared:
+        raise ValueError(
+            f"parameter(s) {', '.join(shared[:6])} belong both to an expert (in expert_list()) and to a module "
+            f"outside the experts: an expert's parameters live on one expert-parallel rank and are reduced over "
+            f"the expert-data-parallel group, a dense parameter's on every rank. Give each expert its own "
+            f"parameters, or move the shared module out of the experts.")
+    marked = sorted(names.get(pid, "?") for pid, p in dense.items() if getattr(p, "_lpp_expert", False))
+    if marked:
+        raise ValueError(
+            f"parameter(s) {', '.join(marked[:6])} are marked as expert parameters (mark_expert_parameters) but "
+            f"are in no expert-parallel layer's expert_list(), so it cannot be told which expert-parallel rank "
+            f"holds them. Return their modules from the layer's expert_list() (subclass "
+            f"lightning_pp.moe.ExpertParallelMoE), or do not mark them (dense parameters need no marking).")
 
 
 def find_executor(module: nn.Module) -> Optional[PipelineExecutor]:

@@ -13,7 +13,8 @@ The runtime calls these methods where a module has them (``isinstance`` against 
 * :class:`HoldsResources`: a layer with resources to release when the pipeline closes.
 
 Attribute markers the runtime reads (set by it or by the layers it knows): ``param._lpp_expert``
-(an expert parameter, reduced over the expert-data-parallel group), ``layer._lpp_checkpoint`` (a
+(an expert parameter, reduced over the expert-data-parallel group: exactly the parameters of the
+expert-parallel layers' ``expert_list()``), ``layer._lpp_checkpoint`` (a
 layer recomputed in backward), ``module._lpp_executor`` (the module's executor: use
 :func:`lightning_pp.runtime.executor_of`). What the runtime tells layers about the microbatch being
 run (its loss weight for auxiliary losses, the timeline, the bounded wait) is
@@ -57,8 +58,12 @@ class ProvidesScheduleNodes(Protocol):
 
 @runtime_checkable
 class ExpertParallelLayer(Protocol):
+    def expert_list(self) -> nn.ModuleList:
+        """Every expert, expert e at index e: their parameters are the expert parameters."""
+
     def setup_expert_parallel(self, group: Any, ep_rank: int, ep_size: int, device: torch.device) -> None:
-        """Keep only expert-parallel rank ``ep_rank``'s experts (called after the cut)."""
+        """Keep only expert-parallel rank ``ep_rank``'s experts (called after the cut) and mark the
+        kept experts' parameters ``_lpp_expert``."""
 
 
 @runtime_checkable
