@@ -120,6 +120,7 @@ def _batches():
 
 def _run(rank, world, cases):
     from lightning_pp.runtime import build_pipeline
+    from lightning_pp.schedules import make_config
     from lightning_pp.runtime.plan import (
         get_pp_first_rank,
         get_pp_last_rank,
@@ -150,7 +151,12 @@ def _run(rank, world, cases):
         group = executor.topology.pp_group
         where = (is_pp_first_stage(group), is_pp_last_stage(group), get_pp_first_rank(group),
                  get_pp_last_rank(group), get_pp_next_rank(group), get_pp_prev_rank(group))
-        out.append((results, [dict(e) for e in RUN_LOG], transfers, where))
+        # The same questions about a chunk's virtual stage, under a V placement (dualpipev): rank 0
+        # holds stages 0 and 3, rank 1 stages 1 and 2.
+        v = make_config("dualpipev", 2, 2, 4)
+        v_where = [(is_pp_first_stage(group, c, v), is_pp_last_stage(group, c, v), get_pp_next_rank(group, c, v),
+                    get_pp_prev_rank(group, c, v)) for c in (0, 1)] + [get_pp_last_rank(group, v)]
+        out.append((results, [dict(e) for e in RUN_LOG], transfers, (where, v_where)))
         executor.close()
     return out
 
@@ -161,8 +167,10 @@ def test_a_layer_with_its_own_plan_trains_under_combined_1f1b_as_one_device():
     for i, case in enumerate(CASES):
         compare(case, reference_steps(_model(case), _batches()), [r[i][0] for r in per_rank])
         for rank, r in enumerate(per_rank):
-            _, log, transfers, where = r[i]
+            _, log, transfers, (where, v_where) = r[i]
             assert where == (rank == 0, rank == 1, 0, 1, 1 - rank, 1 - rank)
+            assert v_where == ([(True, False, 1, None), (False, True, None, 1)] if rank == 0 else
+                               [(False, False, 1, 0), (False, False, 0, 1)]) + [0], v_where
             if case["dense_ends"]:
                 assert log and all(not (e["f"] and e["b"]) for e in log)  # inside the chunk plan: one side each
                 continue
