@@ -30,18 +30,20 @@ def _batches(nan_target_at=None):
     return out
 
 
-def _run(rank, nonfinite, batches, poison_at=None):
-    """Train ``batches``; with ``poison_at``, the embedding's gradient (first stage, rank 0 only)
-    becomes inf at that step while the loss stays finite. Returns per step ("ok", loss, skipped) or
-    ("raised", message), and the final parameters."""
+def _run(rank, nonfinite, batches, poison_at=None, schedule="1f1b", poisoned="embed"):
+    """Train ``batches``; with ``poison_at``, the gradient of layer ``poisoned``'s weight (on rank 0
+    only: the embedding is stage 0; under ``zbv`` rank 0 also holds the head, stage 3) becomes inf
+    at that step while the loss stays finite. Returns per step ("ok", loss, skipped) or ("raised",
+    message), and the final parameters."""
     from lightning_pp.runtime import NonFiniteError, build_pipeline
 
     torch.manual_seed(0)
     model = ToyRegressor(blocks=2)
-    executor = build_pipeline(model, pipeline_parallel_size=2, num_microbatches=2, nonfinite=nonfinite)
+    executor = build_pipeline(model, pipeline_parallel_size=2, num_microbatches=2, nonfinite=nonfinite,
+                              schedule=schedule, virtual_pipeline_size=2 if schedule == "zbv" else 1)
     step = {"index": 0}
     if rank == 0 and poison_at is not None:
-        model.embed.weight.register_hook(lambda g: g * float("inf") if step["index"] == poison_at else g)
+        getattr(model, poisoned).weight.register_hook(lambda g: g * float("inf") if step["index"] == poison_at else g)
     names = executor.partition.parameter_names
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     record = []
@@ -94,6 +96,7 @@ def _battery(rank, world):
     return {
         "raise_loss": _run(rank, "raise", _batches(BAD_STEP)),
         "raise_grad": _run(rank, "raise", clean, poison_at=BAD_STEP),
+        "raise_grad_zbv": _run(rank, "raise", clean, poison_at=BAD_STEP, schedule="zbv", poisoned="head"),
         "skip_grad": _run(rank, "skip", clean, poison_at=BAD_STEP),
         "skip_reference": _run(rank, "skip", [b for i, b in enumerate(clean) if i != BAD_STEP]),
         "ignore_loss": _run(rank, "ignore", _batches(BAD_STEP)),
@@ -130,6 +133,16 @@ def test_nonfinite_gradient_on_one_stage_raises_everywhere_naming_that_stage(bat
         message = record[BAD_STEP][1]
         assert "gradients hold inf/nan on pipeline rank(s) [0] (virtual stage(s) [0])" in message, message
         assert "loss" not in message.split(":")[1], message  # the loss itself was finite
+
+
+@pytest.mark.timeout(240)
+def test_nonfinite_gradient_under_a_v_schedule_names_the_stage_that_produced_it(battery):
+    # zbv places rank 0's chunks at stages 0 and 3 (a V): the head is the last stage, on rank 0.
+    for rank, results in enumerate(battery):
+        record, _ = results["raise_grad_zbv"]
+        assert [entry[0] for entry in record] == ["ok", "raised", "ok", "ok"], f"rank {rank}: {record}"
+        message = record[BAD_STEP][1]
+        assert "gradients hold inf/nan on pipeline rank(s) [0] (virtual stage(s) [3])" in message, message
 
 
 @pytest.mark.timeout(240)

@@ -116,7 +116,7 @@ class PipelineExecutor:
         self.p2p = PointToPoint(topology.pp_group, topology.global_rank, device, self.timeout, topology.describe,
                                 timeline=self.timeline, position=self.position)
         self.wait_collective = BoundedWait(self.timeout, topology.describe, self.position)
-        self.grad_sync = GradientSync(partition, topology, self.actions)
+        self.grad_sync = GradientSync(partition, topology, self.actions, module)
         if broadcast_parameters:
             self.grad_sync.broadcast_parameters()
         self.steps_done = 0
@@ -248,6 +248,8 @@ class PipelineExecutor:
     def _step(self, batch: Any, train: bool, compute_loss: bool = True, collect: bool = False,
               grad_scale: float = 1.0) -> StepResult:
         pp = self.config.pp
+        if train:
+            self.grad_sync.check_parameters()  # replaced after setup: raise before any work
         if self.broadcast_batches and pp > 1:
             batch = broadcast_batch(batch, self.topology.global_rank(0), self.topology.pp_group, self.device)
         fingerprint = batch_fingerprint(batch, self.device) if self.check_batches != "off" and pp > 1 else None
@@ -281,7 +283,7 @@ class PipelineExecutor:
         self.position.action = None
         self.p2p.finish()
         totals = self.step_end.run(state.loss_sum, state.count, train=train, compute_loss=compute_loss,
-                                   fingerprint=fingerprint, params=self.grad_sync.params, step=self.steps_done,
+                                   fingerprint=fingerprint, stage_params=self.grad_sync.stage_params, step=self.steps_done,
                                    nonfinite=self.nonfinite, check_batches=self.check_batches,
                                    wait=self.wait_collective)
         if train:

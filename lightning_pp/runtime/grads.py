@@ -83,16 +83,39 @@ class _TieGroup(NamedTuple):
     params: list  # this rank's copies, in the global order of the ties' names
 
 
-class GradientSync:
-    """Owns the data-parallel and tied-weight reductions of one rank's chunks."""
+class ParametersChangedError(RuntimeError):
+    """The module's parameters are no longer those the pipeline cut and set up (replaced, wrapped
+    or added after setup, e.g. by ``fully_shard`` in ``configure_optimizers``)."""
 
-    def __init__(self, partition: Partition, topology: Topology, actions: list[Action]) -> None:
+
+class GradientSync:
+    """Owns the data-parallel and tied-weight reductions of one rank's chunks.
+
+    The parameters are the ones the chunks hold when the pipeline is built. ``module`` (the
+    user's module) is watched: :meth:`check_parameters`, at the start of every training step,
+    rebuilds the buckets when a parameter was frozen or unfrozen since (a fine-tuning callback) and
+    raises :class:`ParametersChangedError` when a parameter was replaced or added, whose gradient
+    nothing here would reduce, scale or check."""
+
+    def __init__(self, partition: Partition, topology: Topology, actions: list[Action],
+                 module: Optional[torch.nn.Module] = None) -> None:
         self.topology = topology
+        self.partition = partition
         self.tie_groups = create_tie_groups(partition, topology)
         by_id = {}
         for chunk in partition.chunks:
             for p in chunk.parameters():
                 by_id.setdefault(id(p), p)
+        _refuse_distributed_tensors(by_id.values(), partition.parameter_names)
+        self.params = list(by_id.values())
+        # Each parameter once, with the first local chunk holding it: the inf/nan check is per
+        # virtual stage, so a non-finite gradient is named by the stage whose parameter holds it.
+        seen: set[int] = set()
+        self.stage_params: list[tuple[int, list[torch.nn.Parameter]]] = []
+        for chunk in partition.chunks:
+            own = [p for p in chunk.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            self.stage_params.append((chunk.stage, own))
         # Tied copies are matched by their global name and reduced in one order that every rank
         # derives alike (the ties sorted by name, grouped by the pipeline ranks that share them),
         # never in a rank's own parameter order, which differs between ranks (a tied autoencoder
@@ -112,28 +135,68 @@ class GradientSync:
                                        f"the cut assigned it to (pipeline ranks {pp_ranks}).")
                 params.append(local_by_name[tie.name])
             self.ties.append(_TieGroup(group, src, params))
-        # One bucket per (set of local chunks holding the parameter, expert or dense); a parameter
-        # shared by several local chunks is reduced after the last of them. Buckets are ordered by
-        # when ``actions`` finishes their chunks, and always launched in that order, so every
-        # replica issues the same collectives in the same order whatever schedule a step runs
-        # (a short batch runs fewer microbatches, see ``begin_step``).
+        self._actions = actions
+        self.buckets: list[_Bucket] = self._make_buckets(actions)
+        self.begin_step(actions)
+        self.module = module
+        self._watched = self._signature()
+
+    def _make_buckets(self, actions: list[Action]) -> list[_Bucket]:
+        """One bucket per (set of local chunks holding the parameter, expert or dense) of the
+        trainable parameters; a parameter shared by several local chunks is reduced after the last
+        of them. Buckets are ordered by when ``actions`` finishes their chunks, and always launched
+        in that order, so every replica issues the same collectives in the same order whatever
+        schedule a step runs (a short batch runs fewer microbatches, see ``begin_step``)."""
+        topology = self.topology
         holders: dict[int, set[int]] = {}
-        for chunk_id, chunk in enumerate(partition.chunks):
+        for chunk_id, chunk in enumerate(self.partition.chunks):
             for p in chunk.parameters():
                 holders.setdefault(id(p), set()).add(chunk_id)
-        buckets: dict[tuple[tuple[int, ...], bool], list] = {}
-        for pid, p in by_id.items():
+        grouped: dict[tuple[tuple[int, ...], bool], list] = {}
+        for p in self.params:
             if p.requires_grad:
-                buckets.setdefault((tuple(sorted(holders[pid])), is_expert_parameter(p)), []).append(p)
+                grouped.setdefault((tuple(sorted(holders[id(p)])), is_expert_parameter(p)), []).append(p)
         finish = _chunk_finish(actions)
-        self.buckets: list[_Bucket] = []
-        for (chunks, expert), params in sorted(buckets.items(), key=lambda kv: (max(finish[c] for c in kv[0][0]), kv[0][1])):
+        buckets = []
+        for (chunks, expert), params in sorted(grouped.items(), key=lambda kv: (max(finish[c] for c in kv[0][0]), kv[0][1])):
             group = topology.edp_group if expert else topology.dp_group
             size = topology.dims.edp if expert else topology.dp
             if size > 1:
-                self.buckets.append(_Bucket(params, group, chunks))
-        self.begin_step(actions)
-        self.params = list(by_id.values())
+                buckets.append(_Bucket(params, group, chunks))
+        return buckets
+
+    # -- the parameters the optimizer steps must stay the ones set up ---------------------------
+    def _signature(self) -> tuple:
+        if self.module is None:
+            return ()
+        return tuple((id(p), p.requires_grad) for p in self.module.parameters())
+
+    def check_parameters(self) -> None:
+        """Called at the start of every training step (cheap: one pass over the parameter list).
+        A parameter frozen or unfrozen since the last step: the buckets are rebuilt (every replica
+        sees the same change, made by the same callback). A parameter replaced or added since setup:
+        :class:`ParametersChangedError` naming it, before any work of the step."""
+        signature = self._signature()
+        if signature == self._watched:
+            return
+        before = {pid for pid, _ in self._watched}
+        named = dict(self.module.named_parameters())
+        new = [name for name, p in named.items() if id(p) not in before]
+        gone = before - {id(p) for p in named.values()}
+        if new or gone:
+            gone_names = [self.partition.parameter_names.get(pid, "?") for pid in gone]
+            raise ParametersChangedError(_changed_message(type(self.module).__name__, new, gone_names, named))
+        held = {id(p) for p in self.params}
+        orphans = [name for name, p in named.items() if p.requires_grad and id(p) not in held
+                   and not name.startswith("_lpp_frozen_stage.")]
+        if orphans:
+            raise ParametersChangedError(
+                f"{len(orphans)} parameter(s) of {type(self.module).__name__} were made trainable after the pipeline "
+                f"was set up but belong to no pipeline layer: {', '.join(orphans[:6])}"
+                f"{', ...' if len(orphans) > 6 else ''}. Only parameters reached from pipeline_layers() train; keep "
+                f"these frozen, or move their module into a layer.")
+        self.buckets = self._make_buckets(self._actions)
+        self._watched = signature
 
     def begin_step(self, actions: list[Action]) -> None:
         """Set the action after which each bucket is launched for a step that runs ``actions``;
@@ -192,6 +255,40 @@ class GradientSync:
     def abandon(self) -> None:
         for bucket in self.buckets:
             bucket.flat, bucket.work = None, None
+
+
+def _changed_message(module: str, new: list[str], gone: list[str], named: dict) -> str:
+    kinds = sorted({type(named[name]).__name__ for name in new if name in named})
+    what = f"{len(new)} parameter(s) are not the ones it set up ({', '.join(new[:6])}{', ...' if len(new) > 6 else ''}"
+    what += f"; now {' / '.join(kinds)})" if kinds else ")"
+    if not new:
+        what = f"parameter(s) {', '.join(gone[:6])} are gone"
+    return (
+        f"the parameters of {module} changed after the pipeline was set up: {what}. The pipeline took this "
+        f"rank's parameters when it cut the model, to reduce their gradients over the data-parallel replicas, "
+        f"divide them by the global sample count and check them for inf/nan; a parameter replaced, wrapped or "
+        f"added later (fully_shard or a module swap in configure_optimizers or a callback) would train with "
+        f"wrong gradients. Change the modules before the cut: in configure_model (Trainer, which runs before "
+        f"the pipeline is set up) or before fabric.setup_module (Fabric), and build the optimizers from the "
+        f"module's parameters after it. (fully_shard inside pipeline stages is not supported yet.)"
+    )
+
+
+def _refuse_distributed_tensors(params, names: dict[int, str]) -> None:
+    """DTensor parameters (``fully_shard``, tensor parallelism) are sharded by another owner: the
+    pipeline's reductions would mix them with plain tensors. Refused by name, at setup."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return
+    sharded = [names.get(id(p), "?") for p in params if isinstance(p, DTensor)]
+    if sharded:
+        raise ValueError(
+            f"{len(sharded)} parameter(s) are DTensors when the pipeline is set up ({', '.join(sharded[:6])}"
+            f"{', ...' if len(sharded) > 6 else ''}), e.g. from fully_shard or tensor parallelism applied in "
+            f"configure_model: sharding inside pipeline stages is not supported yet, so their gradients would be "
+            f"reduced wrongly. Remove the fully_shard/parallelize_module call; each data-parallel replica then "
+            f"holds its stage's parameters whole.")
 
 
 def _chunk_finish(actions: list[Action]) -> dict[int, int]:

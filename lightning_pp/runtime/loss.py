@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -85,18 +85,20 @@ class StepEnd:
         self.config, self.topology, self.device = config, topology, device
 
     def run(self, loss_sum: torch.Tensor, count: torch.Tensor, *, train: bool, compute_loss: bool,
-            fingerprint: Optional[torch.Tensor], params, step: int, nonfinite: str, check_batches: str,
-            wait: Callable[[Any, str], None]) -> StepTotals:
-        """The all-reduce and its decisions. ``nonfinite`` and ``check_batches`` are the policies
-        (see ``PipelineConfig``); ``wait`` the step's bounded wait."""
+            fingerprint: Optional[torch.Tensor], stage_params: Sequence[tuple[int, Sequence[torch.Tensor]]],
+            step: int, nonfinite: str, check_batches: str, wait: Callable[[Any, str], None]) -> StepTotals:
+        """The all-reduce and its decisions. ``stage_params``: this rank's parameters by virtual
+        stage (each once), checked for inf/nan stage by stage; ``nonfinite`` and ``check_batches``
+        are the policies (see ``PipelineConfig``); ``wait`` the step's bounded wait."""
         if not (train or compute_loss or fingerprint is not None):
             return StepTotals()
-        pp, world = self.config.pp, self.topology.dims.world_size
+        stages, world = self.config.num_stages, self.topology.dims.world_size
         parts = [torch.stack([loss_sum, count])]
         flags = train and nonfinite != "ignore"
         if flags:
-            local = torch.zeros(pp, dtype=torch.float64, device=self.device)
-            local[self.topology.pp_rank] = grads_nonfinite(params, self.device)
+            local = torch.zeros(stages, dtype=torch.float64, device=self.device)
+            for stage, params in stage_params:
+                local[stage] = grads_nonfinite(params, self.device)
             parts.append(local)
         if fingerprint is not None:
             prints = torch.zeros(world, dtype=torch.float64, device=self.device)
@@ -116,20 +118,21 @@ class StepEnd:
                 f"(or a mean over a non-empty microbatch)."
             )
         return StepTotals(totals[0] / totals[1], total_count,
-                          self._nonfinite_description(values[0], total_count, values[2:2 + pp] if flags else []))
+                          self._nonfinite_description(values[0], total_count, values[2:2 + stages] if flags else []))
 
     def _nonfinite_description(self, loss_sum: float, count: float, flags: list[float]) -> Optional[str]:
-        pp = self.config.pp
+        """What was not finite; ``flags``: one per virtual stage, in stage order. Ranks are the
+        stages' owners under the schedule's placement (a V places rank 0's second chunk last)."""
         loss_bad = not math.isfinite(loss_sum)
-        ranks = [r for r, flag in enumerate(flags) if flag > 0]
-        if not loss_bad and not ranks:
+        stages = [stage for stage, flag in enumerate(flags) if flag > 0]
+        if not loss_bad and not stages:
             return None
         parts = []
         if loss_bad:
             parts.append(f"the batch loss is {loss_sum / count if count else loss_sum}")
-        if ranks:
-            stages = [r + c * pp for r in ranks for c in range(self.config.vp)]
-            parts.append(f"gradients hold inf/nan on pipeline rank(s) {ranks} (virtual stage(s) {sorted(stages)})")
+        if stages:
+            ranks = sorted({self.config.owner_of(stage)[0] for stage in stages})
+            parts.append(f"gradients hold inf/nan on pipeline rank(s) {ranks} (virtual stage(s) {stages})")
         return "; ".join(parts)
 
     def _check_same_batches(self, fingerprints: list[float], train: bool, step: int, policy: str) -> None:
