@@ -143,7 +143,7 @@ class PipelineExecutor:
         self._step_hooks = [sub.pipeline_step_end for sub in layer_modules if isinstance(sub, StepObserver)]
         self._holders = [sub for sub in layer_modules if isinstance(sub, HoldsResources)]
 
-    # -- the model's functions (the strategies wrap loss_fn to record self.log calls) ------------
+    # -- the model's functions (the strategies wrap them: self.log calls, Fabric's precision) ----
     @property
     def loss_fn(self) -> Callable:
         return self.stage.loss_fn
@@ -155,6 +155,10 @@ class PipelineExecutor:
     @property
     def inputs_fn(self) -> Callable:
         return self.stage.inputs_fn
+
+    @inputs_fn.setter
+    def inputs_fn(self, fn: Callable) -> None:
+        self.stage.inputs_fn = fn
 
     @property
     def predict_fn(self) -> Optional[Callable]:

@@ -16,7 +16,7 @@ Usage::
 from __future__ import annotations
 
 import datetime
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -35,6 +35,16 @@ from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngin
 ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe", "zb1p", "zbv", "dualpipev"]
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
 BatchCheck = Literal["raise", "warn", "off"]
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _unwrap(module: Any) -> nn.Module:
@@ -144,10 +154,45 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         return self.setup_module(module), [], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        self.engine.setup_module(module, self.root_device)
+        executor = self.engine.setup_module(module, self.root_device)
+        if not getattr(executor, "_lpp_fabric_precision", False):
+            executor._lpp_fabric_precision = True
+            self._apply_precision_at_the_model_boundary(executor)
         # What was materialised from the meta device after the cut takes the precision's dtype, as
         # Fabric converted the rest before (a no-op otherwise).
         return self.precision.convert_module(module)
+
+    def _apply_precision_at_the_model_boundary(self, executor) -> None:
+        """What Fabric's module wrapper does on one device, at the pipeline's ends: the model's
+        inputs (``pipeline_inputs(batch)``, not the targets) go through ``precision.convert_input``;
+        the last stage's output through ``precision.convert_output`` before ``pipeline_loss``, which
+        runs outside the precision's forward context (autocast off, the default dtype as outside the
+        step), as a loss written after ``output = model(x)`` does. The layers run inside it
+        (``pipeline_step`` and ``pipeline_eval`` enter it)."""
+        precision, device_type = self.precision, self.root_device.type
+        inputs_fn, loss_fn = executor.inputs_fn, executor.loss_fn
+        outside = self._outside_forward_context
+
+        def converted_inputs(batch):
+            return precision.convert_input(inputs_fn(batch))
+
+        def loss_outside_forward_context(output, batch):
+            with torch.autocast(device_type, enabled=False), _default_dtype(outside["dtype"]):
+                return loss_fn(precision.convert_output(output), batch)
+
+        executor.inputs_fn, executor.loss_fn = converted_inputs, loss_outside_forward_context
+
+    @property
+    def _outside_forward_context(self) -> dict:
+        if not hasattr(self, "_outside"):
+            self._outside = {"dtype": torch.get_default_dtype()}
+        return self._outside
+
+    @contextmanager
+    def _forward_context(self):
+        self._outside_forward_context["dtype"] = torch.get_default_dtype()
+        with self.precision.forward_context():
+            yield
 
     def module_to_device(self, module: nn.Module) -> None:
         if not has_meta_tensors(module):  # a meta module is materialised on the device by setup_module
@@ -159,21 +204,22 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         on every rank."""
         executor = executor_of(module)
         self.engine.executor = executor
-        with self.precision.forward_context():
-            result = self.engine.train_step(self.precision.convert_input(batch))
+        with self._forward_context():
+            result = self.engine.train_step(batch)
         self.engine.recorder.take()  # Fabric has no logger hook in the step: drop recorded logs
         return result.loss
 
     def pipeline_eval(self, module: nn.Module, batch: Any, collect_outputs: bool = False) -> Any:
-        """Forward-only pass: the batch loss, or (with ``collect_outputs``) the last stage's
-        outputs gathered on every rank."""
+        """Forward-only pass of every microbatch (no gradients): the batch loss on every rank, or
+        (with ``collect_outputs``) the last stage's outputs (``pipeline_predict``'s where the module
+        has it), joined over microbatches, on every rank, converted as Fabric converts a module's
+        outputs. Collective: call it on every rank, e.g. for validation or generation."""
         executor = executor_of(module)
-        with self.precision.forward_context():
-            result = executor.eval_step(self.precision.convert_input(batch), compute_loss=not collect_outputs,
-                                        collect_outputs=collect_outputs)
+        with torch.no_grad(), self._forward_context():
+            result = executor.eval_step(batch, compute_loss=not collect_outputs, collect_outputs=collect_outputs)
         self.engine.recorder.take()
         if collect_outputs:
-            return self.engine.gather_outputs(result.outputs)
+            return self.precision.convert_output(self.engine.gather_outputs(result.outputs))
         return result.loss
 
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:

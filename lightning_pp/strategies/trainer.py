@@ -230,8 +230,9 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             self._log_loss("train_loss", loss, user_logged, batch, on_step=True, on_epoch=True)
         return loss
 
-    def _eval_step(self, batch: Any, name: str) -> torch.Tensor:
-        result = self.engine.executor.eval_step(batch, compute_loss=True)
+    def _eval_step(self, batch: Any, name: str, precision_context) -> torch.Tensor:
+        with precision_context():  # as Lightning's Strategy.validation_step/test_step (autocast under bf16-mixed)
+            result = self.engine.executor.eval_step(batch, compute_loss=True)
         loss = result.loss
         user_logged = self._replay_logs(len_of(batch))
         self._log_loss(name, loss, user_logged, batch)
@@ -257,13 +258,14 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step(args[0], "val_loss")
+        return self._eval_step(args[0], "val_loss", self.precision_plugin.val_step_context)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step(args[0], "test_loss")
+        return self._eval_step(args[0], "test_loss", self.precision_plugin.test_step_context)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.pipeline_predict(args[0])
+        with self.precision_plugin.predict_step_context():
+            return self.pipeline_predict(args[0])
 
     def pipeline_predict(self, batch: Any) -> Any:
         """Forward-only pass of ``batch`` through the pipeline; the last stage's outputs
