@@ -47,14 +47,16 @@ class DistributedFailure(AssertionError):
         super().__init__(f"distributed run failed (exit codes {exitcodes}, {elapsed:.1f}s):\n" + "\n".join(lines))
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, daemon: bool = True) -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` processes; results indexed by rank.
     Raises :class:`DistributedFailure` (with every rank's error and exit code) if any rank fails
-    or the deadline passes (then all processes are killed)."""
+    or the deadline passes (then all processes are killed). ``daemon=False`` for ranks that start
+    processes of their own (DataLoader workers); they are still killed at the deadline."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue), daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue), daemon=daemon)
+             for r in range(world_size)]
     start = time.monotonic()
     for p in procs:
         p.start()

@@ -161,9 +161,14 @@ class StepEnd:
             f"rank (an unseeded `random`/NumPy transform in a Dataset, DataLoader workers seeded per rank, "
             f"e.g. by seed_everything(workers=True), shuffle=True without a common seed), or a sampler that "
             f"depends on the global rank (with Lightning keep use_distributed_sampler=True: the strategy "
-            f"shards over data-parallel ranks only). Fixes: seed the data pipeline identically on the ranks of "
-            f"a pipeline; or pass broadcast_batches=True, which uses pipeline rank 0's batch on every stage; "
-            f"or check_batches='off' if the difference is intended."
+            f"shards over data-parallel ranks only), or a dataset that shards itself by torch.distributed's "
+            f"global rank and world size (an IterableDataset such as webdataset's; litdata's StreamingDataset "
+            f"is sharded over the data-parallel ranks by the strategies). Fixes: seed the data pipeline "
+            f"identically on the ranks of a pipeline; shard a self-sharding dataset by strategy.data_parallel_rank "
+            f"and strategy.data_parallel_size; or check_batches='off' if the difference is intended. "
+            f"broadcast_batches=True uses pipeline rank 0's batch on every stage: it fixes randomness, but with a "
+            f"dataset that shards itself by global rank it trains on stage 0's shard only and never reads the "
+            f"other stages' (an epoch of fewer samples)."
         )
         if policy == "raise":
             raise BatchMismatchError(message)

@@ -26,6 +26,7 @@ from lightning_pp.runtime.config import PipelineConfig
 from lightning_pp.runtime.grads import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.guard import failure_seen_in_process
 from lightning_pp.runtime.microbatch import batch_size
+from lightning_pp.strategies.data import DataParallelWorld, LitdataSharding, data_parallel_world
 
 
 class LogRecorder:
@@ -243,10 +244,39 @@ class PipelineStrategyMixin:
         super()._configure_launcher()
 
     @property
+    def data_parallel_world(self) -> DataParallelWorld:
+        """What data is sharded over: the data-parallel replicas (every stage of one pipeline reads
+        the same batches), this rank's replica and the nodes one stage spans."""
+        return data_parallel_world(self.config.dims(self.world_size), self.global_rank, self.num_nodes)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel replicas: what a dataset that shards itself should use as its world size."""
+        return self.data_parallel_world.size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's replica: what a dataset that shards itself should use as its rank (the same
+        on every stage of one pipeline)."""
+        return self.data_parallel_world.rank
+
+    @property
     def distributed_sampler_kwargs(self) -> dict:
         # Every stage of one pipeline must see the same batch: shard the data over dp only.
-        dims = self.config.dims(self.world_size)
-        return {"num_replicas": dims.dp, "rank": dims.coordinates(self.global_rank)["dp"]}
+        world = self.data_parallel_world
+        return {"num_replicas": world.size, "rank": world.rank}
+
+    def _shard_data_over_data_parallel(self) -> None:
+        """From the moment the groups exist: litdata shards over the data-parallel ranks
+        (``lightning_pp.strategies.data``)."""
+        if getattr(self, "_litdata", None) is None:
+            self._litdata = LitdataSharding(self.data_parallel_world)
+            self._litdata.install()
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        dataloader = super().process_dataloader(dataloader)
+        litdata = getattr(self, "_litdata", None)
+        return litdata.apply(dataloader) if litdata is not None else dataloader
 
     @property
     def skipped_steps(self) -> int:
@@ -256,6 +286,9 @@ class PipelineStrategyMixin:
     def teardown(self) -> None:
         if self.engine.executor is not None:
             self.engine.executor.close()
+        if getattr(self, "_litdata", None) is not None:
+            self._litdata.uninstall()
+            self._litdata = None
         super().teardown()
 
     @classmethod

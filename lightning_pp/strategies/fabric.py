@@ -102,6 +102,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.engine.setup_topology(self.root_device.type)
+        self._shard_data_over_data_parallel()
         self._install_excepthook()
 
     def _install_excepthook(self) -> None:

@@ -157,6 +157,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.engine.setup_topology(self.root_device.type)
+        self._shard_data_over_data_parallel()
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self.engine.topology.mesh
 
