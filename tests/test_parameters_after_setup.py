@@ -1,6 +1,7 @@
 """Parameters that change after the pipeline is set up: frozen or unfrozen later (a fine-tuning
 schedule) trains exactly as on one device; replaced or wrapped later (``fully_shard`` in
-``configure_optimizers``) raises at the first step, naming the parameter, on every rank."""
+``configure_optimizers``) raises at the first step, naming the parameter, on every rank; DTensor
+parameters at setup (``fully_shard`` in ``configure_model``) are refused by name."""
 
 from __future__ import annotations
 
@@ -66,6 +67,18 @@ class ShardedInConfigureOptimizers(FreezeFirstEpoch):
         return super().configure_optimizers()
 
 
+class ShardedInConfigureModel(FreezeFirstEpoch):
+    """fully_shard in configure_model, Lightning's ModelParallelStrategy convention: before the cut,
+    so the pipeline sees DTensor parameters at setup (refused: sharding inside stages is not
+    supported yet)."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.blocks:
+            fully_shard(block, mesh=self.device_mesh["dp"])
+
+
 def _dataset(n=32):
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g))
@@ -107,7 +120,13 @@ def _run(rank, world):
         sharded = None
     except Exception as exc:  # noqa: BLE001 - the message is what is checked
         sharded = f"{type(exc).__name__}: {exc}"
-    return unfrozen, sharded
+    try:
+        L.Trainer(devices=world, strategy=PipelineStrategy(pipeline_parallel_size=2, num_microbatches=2), **TRAINER).fit(
+            ShardedInConfigureModel(), DataLoader(_dataset(), batch_size=BATCH))
+        at_setup = None
+    except Exception as exc:  # noqa: BLE001
+        at_setup = f"{type(exc).__name__}: {exc}"
+    return unfrozen, sharded, at_setup
 
 
 @pytest.mark.timeout(300)
@@ -119,7 +138,7 @@ def test_parameters_frozen_later_train_exactly_and_parameters_replaced_later_rai
     expected = dict(ref.named_parameters())
     assert not torch.equal(expected["embed.weight"], FreezeFirstEpoch().embed.weight)  # it did train in epoch 2
     seen = set()
-    for rank, (unfrozen, sharded) in enumerate(run_distributed(_run, 4, timeout=260)):
+    for rank, (unfrozen, sharded, at_setup) in enumerate(run_distributed(_run, 4, timeout=260)):
         # pp=2 x dp=2: the embedding's gradient, frozen when the pipeline was set up, is reduced over
         # the two replicas once unfrozen (before, each replica stepped its own gradient).
         for name, value in unfrozen.items():
@@ -128,4 +147,6 @@ def test_parameters_frozen_later_train_exactly_and_parameters_replaced_later_rai
         assert sharded is not None and "ParametersChangedError" in sharded, f"rank {rank}: {sharded}"
         block = "blocks.0." if rank < 2 else "blocks.2."  # stage 0 holds blocks 0-1, stage 1 blocks 2-3
         assert f"{block}norm.weight" in sharded and "DTensor" in sharded and "configure_model" in sharded, sharded
+        assert at_setup is not None and "are DTensors when the pipeline is set up" in at_setup, f"rank {rank}: {at_setup}"
+        assert f"{block}norm.weight" in at_setup, at_setup
     assert seen == set(expected)
