@@ -166,7 +166,9 @@ def test_litdata_pp2_reads_the_whole_stream_on_every_stage_and_equals_one_device
         assert out["seen"] == seen, f"rank {rank}: trained on other samples, or another order, than one device"
         _assert_params(out["params"], params, f"rank {rank} Trainer")
         assert out["fabric"]["seen"] == seen
-        _assert_params(out["fabric"]["params"], fabric_reference["params"], f"rank {rank} Fabric")
+        # float64 throughout, as the Trainer (Fabric's one-device wrapper would give the loss a
+        # float32 copy of the output under 64-true; the pipeline keeps it float64: see fabric.py)
+        _assert_params(out["fabric"]["params"], params, f"rank {rank} Fabric")
 
 
 @pytest.mark.timeout(300)

@@ -23,6 +23,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
 
@@ -45,6 +46,19 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _widened(data: Any, dtype: torch.dtype) -> Any:
+    """``data`` with every floating tensor narrower than ``dtype`` cast to it (bfloat16 outputs
+    to float32, as Fabric's ``convert_output``), wider ones left as they are."""
+    bits = torch.finfo(dtype).bits
+
+    def widen(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point() and torch.finfo(tensor.dtype).bits < bits:
+            return tensor.to(dtype)
+        return tensor
+
+    return apply_to_collection(data, torch.Tensor, widen)
 
 
 def _unwrap(module: Any) -> nn.Module:
@@ -166,10 +180,13 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     def _apply_precision_at_the_model_boundary(self, executor) -> None:
         """What Fabric's module wrapper does on one device, at the pipeline's ends: the model's
         inputs (``pipeline_inputs(batch)``, not the targets) go through ``precision.convert_input``;
-        the last stage's output through ``precision.convert_output`` before ``pipeline_loss``, which
-        runs outside the precision's forward context (autocast off, the default dtype as outside the
-        step), as a loss written after ``output = model(x)`` does. The layers run inside it
-        (``pipeline_step`` and ``pipeline_eval`` enter it)."""
+        the last stage's output is converted to the default dtype (as ``precision.convert_output``
+        does) before ``pipeline_loss``, which runs outside the precision's forward context
+        (autocast off, the default dtype as outside the step), as a loss written after
+        ``output = model(x)`` does. The layers run inside it (``pipeline_step`` and
+        ``pipeline_eval`` enter it). One difference, on purpose: an output wider than the default
+        dtype (``64-true``) is not narrowed, so float64 runs stay exact in float64 (Fabric's
+        wrapper would hand the loss a float32 copy)."""
         precision, device_type = self.precision, self.root_device.type
         inputs_fn, loss_fn = executor.inputs_fn, executor.loss_fn
         outside = self._outside_forward_context
@@ -179,7 +196,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
         def loss_outside_forward_context(output, batch):
             with torch.autocast(device_type, enabled=False), _default_dtype(outside["dtype"]):
-                return loss_fn(precision.convert_output(output), batch)
+                return loss_fn(_widened(output, outside["dtype"]), batch)
 
         executor.inputs_fn, executor.loss_fn = converted_inputs, loss_outside_forward_context
 
@@ -220,7 +237,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             result = executor.eval_step(batch, compute_loss=not collect_outputs, collect_outputs=collect_outputs)
         self.engine.recorder.take()
         if collect_outputs:
-            return self.precision.convert_output(self.engine.gather_outputs(result.outputs))
+            return _widened(self.engine.gather_outputs(result.outputs), torch.get_default_dtype())
         return result.loss
 
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
