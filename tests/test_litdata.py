@@ -153,7 +153,8 @@ def _one_device(input_dir, batches=None):
 def _assert_params(got, expected, what):
     assert set(got) <= set(expected)
     for name, value in got.items():
-        torch.testing.assert_close(value, expected[name], rtol=1e-9, atol=1e-12, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(value, expected[name], rtol=1e-9, atol=1e-12,
+                                   msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
 @pytest.mark.timeout(300)
