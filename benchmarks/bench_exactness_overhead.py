@@ -78,7 +78,7 @@ def _bench(rank, world, args):
     import torch.distributed as dist
 
     from lightning_pp.runtime import build_pipeline
-    from lightning_pp.runtime.microbatch import batch_fingerprint
+    from lightning_pp.runtime.step.microbatch import batch_fingerprint
 
     torch.manual_seed(0)
     model = _model(args.hidden, args.blocks)

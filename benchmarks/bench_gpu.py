@@ -55,8 +55,8 @@ def _sleep(cycles: int) -> None:
 
 
 def plan_overhead(args) -> float:
-    from lightning_pp.runtime.nodes import ChunkSchedulePlan
-    from lightning_pp.runtime.plan import set_streams
+    from lightning_pp.runtime.plans.nodes import ChunkSchedulePlan
+    from lightning_pp.runtime.plans.plan import set_streams
 
     set_streams(high_priority=True)
     layers = [nn.Sequential(nn.Linear(args.width, 4 * args.width), nn.GELU(), nn.Linear(4 * args.width, args.width))
@@ -95,8 +95,8 @@ class _SleepyExchange(nn.Module):
         self.cycles = cycles
 
     def schedule_nodes(self, event):
-        from lightning_pp.runtime.nodes import LayerNodes
-        from lightning_pp.runtime.plan import ScheduleNode, get_comm_stream, get_comp_stream
+        from lightning_pp.runtime.plans.nodes import LayerNodes
+        from lightning_pp.runtime.plans.plan import ScheduleNode, get_comm_stream, get_comp_stream
 
         def compute(x):
             return torch.tanh(x @ self.w)
@@ -116,8 +116,8 @@ class _SleepyExchange(nn.Module):
 
 
 def comm_overlap(args) -> float:
-    from lightning_pp.runtime.nodes import ChunkSchedulePlan
-    from lightning_pp.runtime.plan import set_streams
+    from lightning_pp.runtime.plans.nodes import ChunkSchedulePlan
+    from lightning_pp.runtime.plans.plan import set_streams
 
     set_streams(high_priority=True)
     layers = [_SleepyExchange(args.width, args.sleep_cycles) for _ in range(args.layers)]

@@ -56,7 +56,7 @@ def _status_kb(field: str) -> int:
 def _wait_for_sends_early(keep: int = 2) -> None:
     """Diagnostic (``--diagnose-sends``): make the runtime wait for its pending sends, all but the
     newest ``keep``, at every send, so that a sent buffer is dropped soon after its receiver has it."""
-    from lightning_pp.runtime.p2p import PointToPoint
+    from lightning_pp.runtime.transport.p2p import PointToPoint
 
     def reap(self) -> None:
         for work, *_ in self.pending_sends[:-keep]:
@@ -93,7 +93,7 @@ def _activation_bound(cfg: dict, world: int) -> list[float]:
     """Per rank: min(pp - r, m) x one microbatch's saved activations of that rank's stage (MB)."""
     import torch
 
-    from lightning_pp.runtime import resolve_layout
+    from lightning_pp.runtime.cut.layout import resolve_layout
 
     model = peer._make_model(cfg)
     layers = model.pipeline_layers()

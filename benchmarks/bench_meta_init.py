@@ -10,7 +10,7 @@ peak-RSS counter is reset (``/proc/self/clear_refs``), then
 
 * ``whole``: ``GPT(config)`` on the CPU (litgpt's default init), then ``build_pipeline`` cuts it;
 * ``meta``: ``GPT(config)`` under ``torch.device("meta")``, then ``build_pipeline`` cuts it and
-  materialises this rank's part (``lightning_pp.runtime.meta``);
+  materialises this rank's part (``lightning_pp.runtime.cut.meta``);
 * ``meta+load``: as ``meta``, then ``model.load_state_dict(torch.load(file, mmap=True))`` of a
   one-device checkpoint (written beforehand by the launching process): each rank reads only its
   own tensors.

@@ -58,7 +58,7 @@ def test_checkpointed_layers_recompute_their_forward_in_backward_only(policy):
 
 def test_moe_blocks_are_never_recomputed():
     from lightning_pp.moe import MoEBlock
-    from lightning_pp.runtime.partition import checkpointed_layers
+    from lightning_pp.runtime.layer import checkpointed_layers
 
     layers = list(TinyMoELM(blocks=2).pipeline_layers())  # embedding, 2 MoE blocks, head
     assert checkpointed_layers(layers, True) == [0, 3]

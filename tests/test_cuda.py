@@ -17,8 +17,8 @@ def _dense_layers(device):
 
 
 def test_plan_on_comm_stream_matches_plain_autograd():
-    from lightning_pp.runtime.nodes import ChunkSchedulePlan
-    from lightning_pp.runtime.plan import get_comm_stream, get_comp_stream, set_streams
+    from lightning_pp.runtime.plans.nodes import ChunkSchedulePlan
+    from lightning_pp.runtime.plans.plan import get_comm_stream, get_comp_stream, set_streams
 
     device = torch.device("cuda")
     set_streams(high_priority=True)
@@ -80,8 +80,8 @@ def test_symmetric_staging_buffers_on_one_gpu():
 
 
 def test_sends_launch_from_the_comm_stream_after_the_compute_they_send():
-    from lightning_pp.runtime.nodes import sending
-    from lightning_pp.runtime.plan import get_comm_stream, set_streams
+    from lightning_pp.runtime.plans.nodes import sending
+    from lightning_pp.runtime.plans.plan import get_comm_stream, set_streams
 
     set_streams(high_priority=True)
     a = torch.randn(2048, 2048, device="cuda")

@@ -203,7 +203,9 @@ def test_fabric_uncaught_exception_outside_the_step_is_named_on_every_rank(tmp_p
 # -- the pieces, in one process --------------------------------------------------------------------
 
 def test_communication_errors_summaries_and_the_exception_being_handled():
-    from lightning_pp.runtime.failure import PipelineCommError, is_comm_error, main_thread_exception, summarize
+    from lightning_pp.runtime.failure.errors import PipelineCommError
+    from lightning_pp.runtime.failure.outside_step import is_comm_error, summarize
+    from lightning_pp.runtime.failure.watchdog import main_thread_exception
 
     gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
     assert is_comm_error(gloo) and is_comm_error(PipelineCommError("receiving F0.1 timed out", reason="timeout"))

@@ -117,7 +117,8 @@ def _reference(holder: Holder, batches):
 
 def _pipelined(rank, world, cases):
     from lightning_pp.integrations.litgpt_moe import MoEBlockLayer
-    from lightning_pp.runtime import build_pipeline, nodes
+    from lightning_pp.runtime import build_pipeline
+    from lightning_pp.runtime.plans import nodes
 
     overlapped = []
     plain_overlap = nodes._overlapped_layer
@@ -202,7 +203,7 @@ def test_moe_family_pp2_ep2_equals_litgpt_on_one_device(pipelined, index):
 def test_moe_block_layer_is_litgpt_block_bit_for_bit(name):
     from lightning_pp.integrations.litgpt import pipeline_layers
     from lightning_pp.integrations.litgpt_moe import MoEBlockLayer
-    from lightning_pp.runtime.nodes import ChunkSchedulePlan
+    from lightning_pp.runtime.plans.nodes import ChunkSchedulePlan
 
     holder = _make(name)
     idx = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(2))

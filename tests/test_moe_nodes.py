@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_pp.moe import MoEBlock
-from lightning_pp.runtime.nodes import ChunkSchedulePlan
-from lightning_pp.runtime.plan import get_comm_stream, set_streams
+from lightning_pp.runtime.plans.nodes import ChunkSchedulePlan
+from lightning_pp.runtime.plans.plan import get_comm_stream, set_streams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -85,8 +85,8 @@ class _Logged(torch.nn.Module):
         self.scale = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
 
     def schedule_nodes(self, event):
-        from lightning_pp.runtime.nodes import LayerNodes
-        from lightning_pp.runtime.plan import ScheduleNode, get_comm_stream, get_comp_stream
+        from lightning_pp.runtime.plans.nodes import LayerNodes
+        from lightning_pp.runtime.plans.plan import ScheduleNode, get_comm_stream, get_comp_stream
 
         def compute(slot):
             def run(x):

@@ -6,17 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pp.runtime import (
-    NotOnThisStage,
-    ParallelDims,
-    check_protocol,
-    cut_model,
-    parse_layout_string,
-    resolve_layout,
-    split_microbatches,
-)
-from lightning_pp.runtime.loss import normalise_loss
-from lightning_pp.runtime.p2p import decode_header, encode_header
+from lightning_pp.runtime.cut.layout import parse_layout_string, resolve_layout
+from lightning_pp.runtime.cut.partition import NotOnThisStage, check_protocol, cut_model
+from lightning_pp.runtime.step.microbatch import split_microbatches
+from lightning_pp.runtime.topology import ParallelDims
+from lightning_pp.runtime.step.loss import normalise_loss
+from lightning_pp.runtime.transport.p2p import decode_header, encode_header
 from models import TiedLM, ToyRegressor
 
 
@@ -184,7 +179,7 @@ def test_a_trainable_parameter_no_layer_reaches_is_named_at_the_cut():
 
 
 def test_meta_model_materialises_only_what_the_rank_keeps_with_the_one_device_values():
-    from lightning_pp.runtime import materialize
+    from lightning_pp.runtime.cut.meta import materialize
 
     with torch.device("meta"):
         full = ToyRegressor(blocks=4)

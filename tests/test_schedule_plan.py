@@ -1,4 +1,4 @@
-"""The fine-grained scheduling contract (``lightning_pp.runtime.plan``, after Megatron-core's
+"""The fine-grained scheduling contract (``lightning_pp.runtime.plans.plan``, after Megatron-core's
 ``pipeline_parallel.utils``): its building blocks on their own, and a user layer that brings its
 own plan class trained under combined 1F1B, equal to one device, its ``run`` called with a forward
 and a backward plan in the steady state and the stage-boundary transfers carried by its hooks."""
@@ -11,7 +11,7 @@ from torch import nn
 
 from distributed import run_distributed
 from exactness_models import compare, pipelined_steps, plain_batches, reference_steps
-from lightning_pp.runtime.plan import (
+from lightning_pp.runtime.plans.plan import (
     AbstractSchedulePlan,
     NoopScheduleNode,
     PlanEvent,
@@ -121,7 +121,7 @@ def _batches():
 def _run(rank, world, cases):
     from lightning_pp.runtime import build_pipeline
     from lightning_pp.schedules import make_config
-    from lightning_pp.runtime.plan import (
+    from lightning_pp.runtime.plans.plan import (
         get_pp_first_rank,
         get_pp_last_rank,
         get_pp_next_rank,

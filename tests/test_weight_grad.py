@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pp.runtime.weight_grad import backward_input
+from lightning_pp.runtime.plans.weight_grad import backward_input
 
 
 class Stage(nn.Module):

@@ -22,8 +22,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_pp.callbacks.analysis import PipelineStats, analyze
 from lightning_pp.callbacks.export import export_png, export_trace, step_file_names
 from lightning_pp.callbacks.records import RankTimeline, gather_spans
-from lightning_pp.runtime import find_executor
-from lightning_pp.runtime.microbatch import batch_size
+from lightning_pp.runtime.build import find_executor
+from lightning_pp.runtime.step.microbatch import batch_size
 from lightning_pp.runtime.timeline import SpanKind
 
 

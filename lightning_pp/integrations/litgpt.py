@@ -47,7 +47,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pp.runtime.meta import materialize
 
 try:
     from litgpt.config import Config
@@ -57,28 +56,11 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         "lightning_pp.integrations.litgpt needs litgpt: pip install 'lightning_pp[litgpt]' (or pip install litgpt)."
     ) from error
 
+from lightning_pp.integrations.litgpt_moe import MoEBlockLayer, is_moe_block
+from lightning_pp.integrations.litgpt_rope import Rope
+from lightning_pp.runtime.cut.meta import materialize
+
 IGNORE_INDEX = -100  # litgpt's: targets with this value (prompt and padding tokens) are not scored
-
-
-class _Rope:
-    """The model's rotary cache, read by every block layer. Not a module: the layers must not own
-    the model (its cache buffers move and are rebuilt with it)."""
-
-    def __init__(self, gpt: GPT) -> None:
-        self.gpt = gpt
-
-    def check_length(self, length: int) -> None:
-        if length > self.gpt.max_seq_length:
-            raise ValueError(
-                f"Cannot forward sequence of length {length}, max seq length is only {self.gpt.max_seq_length}."
-            )
-
-    def cos_sin(self, length: int, block_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.gpt.cos[:length].unsqueeze(0), self.gpt.sin[:length].unsqueeze(0)
-        indices = self.gpt.config.rope_indices
-        if indices is not None:  # Gemma 3: local or global rotary frequencies per layer
-            cos, sin = cos[..., indices[block_idx]], sin[..., indices[block_idx]]
-        return cos, sin
 
 
 class Embedding(nn.Module):
@@ -88,7 +70,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.wte = gpt.transformer.wte
         self.scale = gpt.config.n_embd ** 0.5 if gpt.config.scale_embeddings else None
-        self.rope = _Rope(gpt)
+        self.rope = Rope(gpt)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         self.rope.check_length(idx.size(1))
@@ -105,7 +87,7 @@ class BlockLayer(nn.Module):
         super().__init__()
         self.block = gpt.transformer.h[block_idx]
         self.block_idx = block_idx
-        self.rope = _Rope(gpt)
+        self.rope = Rope(gpt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rope.cos_sin(x.size(1), self.block_idx)
@@ -133,7 +115,6 @@ def pipeline_layers(gpt: GPT) -> list[nn.Module]:
     model's own modules, made anew on each call (the pipeline calls it once). A block whose MLP is
     a mixture of experts (``LLaMAMoE``) gets a :class:`~lightning_pp.integrations.litgpt_moe.MoEBlockLayer`,
     which runs its experts expert-parallel (``expert_parallel_size``) with litgpt's routing."""
-    from lightning_pp.integrations.litgpt_moe import MoEBlockLayer, is_moe_block  # it imports this module
 
     if not isinstance(gpt, GPT):
         raise TypeError(f"pipeline_layers expects a litgpt GPT, got {type(gpt).__name__}.")
@@ -208,7 +189,7 @@ class LitGPT(L.LightningModule):
 
     The model is built on the meta device in ``configure_model``; a pipeline strategy
     materialises on each rank only the layers it keeps, initialised by litgpt's
-    ``_init_weights`` with a seed per module (``lightning_pp.runtime.meta``), and any other
+    ``_init_weights`` with a seed per module (``lightning_pp.runtime.cut.meta``), and any other
     strategy materialises the whole model the same way, so both start from the same weights.
     """
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_pp.integrations.litgpt import _Rope
+from lightning_pp.integrations.litgpt_rope import Rope
 from lightning_pp.moe.parallel import ExpertParallelMoE, MoERouting
 
 from litgpt.model import GPT, LLaMAMoE
@@ -54,7 +54,7 @@ class MoEBlockLayer(ExpertParallelMoE):
         super().__init__(config.n_expert, config.n_expert_per_token)
         self.block = block
         self.block_idx = block_idx
-        self.rope = _Rope(gpt)
+        self.rope = Rope(gpt)
 
     def extra_repr(self) -> str:
         return f"block_idx={self.block_idx}, n_expert={self.num_experts}, top_k={self.top_k}"

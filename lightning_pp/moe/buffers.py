@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from lightning_pp.runtime.plan import register_persistent
+from lightning_pp.runtime.plans.plan import register_persistent
 
 
 def symmetric_memory_available(device: torch.device) -> bool:
@@ -141,7 +141,7 @@ class StagingPool:
 
 
 def stage_dispatch_bwd_grad(pool: StagingPool, slot: int, grad: torch.Tensor) -> torch.Tensor:
-    """What :class:`~lightning_pp.runtime.plan.StageDispatchBwdGrad` does in backward for a
+    """What :class:`~lightning_pp.runtime.plans.plan.StageDispatchBwdGrad` does in backward for a
     staging pool: copy the gradient arriving at a dispatch's output into the slot's persistent
     backward buffer and return it, so the reverse all-to-all reads from it (a symmetric buffer on
     CUDA, which one-sided transports need: autograd's own gradient is an ordinary allocation).

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_pp.moe.parallel import ExpertParallelMoE, MoERouting
-from lightning_pp.runtime import context
+from lightning_pp.runtime.plans import context
 
 
 class CausalSelfAttention(nn.Module):

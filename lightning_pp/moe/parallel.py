@@ -38,11 +38,11 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pp.moe.buffers import StagingPool, scatter_rows_into, stage_dispatch_bwd_grad
-from lightning_pp.runtime import context
-from lightning_pp.runtime.nodes import LayerNodes
-from lightning_pp.runtime.partition import drop_keys_held_elsewhere
-from lightning_pp.runtime.plan import PlanEvent, ScheduleNode, StageDispatchBwdGrad, get_comm_stream, get_comp_stream
-from lightning_pp.runtime.waits import LaunchedWork, wait_for
+from lightning_pp.runtime.plans import context
+from lightning_pp.runtime.plans.nodes import LayerNodes
+from lightning_pp.runtime.cut.partition import drop_keys_held_elsewhere
+from lightning_pp.runtime.plans.plan import PlanEvent, ScheduleNode, StageDispatchBwdGrad, get_comm_stream, get_comp_stream
+from lightning_pp.runtime.transport.waits import LaunchedWork, wait_for
 
 
 class MoERouting(NamedTuple):

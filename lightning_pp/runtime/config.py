@@ -13,8 +13,9 @@ import datetime
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-from lightning_pp.runtime.failure import WatchdogConfig
-from lightning_pp.runtime.partition import CheckpointPolicy, Layout, checkpointed_layers
+from lightning_pp.runtime.failure.watchdog import WatchdogConfig
+from lightning_pp.runtime.cut.layout import Layout
+from lightning_pp.runtime.layer import CheckpointPolicy, checkpointed_layers
 from lightning_pp.runtime.topology import ParallelDims
 from lightning_pp.schedules import SCHEDULES, ScheduleConfig, make_config
 
@@ -95,6 +96,19 @@ class PipelineConfig:
                 value = getattr(self, name)
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                     raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer (>= 1). Use e.g. {fix}.")
+
+    @classmethod
+    def with_options(cls, config: Optional["PipelineConfig"], options: dict) -> "PipelineConfig":
+        """``config`` (or the defaults) with ``options`` (field names) set; an unknown name is a
+        ``TypeError`` that lists the options."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown pipeline option(s) {', '.join(unknown)}: the options are {', '.join(sorted(names))} "
+                            f"(the fields of lightning_pp.runtime.config.PipelineConfig).")
+        if config is None:
+            return cls(**options)
+        return dataclasses.replace(config, **options) if options else config
 
     @property
     def schedule_config(self) -> ScheduleConfig:

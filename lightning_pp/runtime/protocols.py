@@ -5,7 +5,7 @@ The runtime calls these methods where a module has them (``isinstance`` against 
 
 * :class:`PipelineModel`: the user's module (DESIGN.md's three methods, and the optional ones).
 * :class:`OwnsSchedulePlan`: a layer (or a one-layer chunk) that brings its own fine-grained
-  plan class (:mod:`lightning_pp.runtime.plan`).
+  plan class (:mod:`lightning_pp.runtime.plans.plan`).
 * :class:`ProvidesScheduleNodes`: a layer that communicates inside its forward (an
   expert-parallel MoE layer) and gives the runtime's chunk plan its five nodes.
 * :class:`ExpertParallelLayer`: a layer that keeps only its expert-parallel rank's experts.
@@ -18,7 +18,7 @@ expert-parallel layers' ``expert_list()``), ``layer._lpp_checkpoint`` (a
 layer recomputed in backward), ``module._lpp_executor`` (the module's executor: use
 :func:`lightning_pp.runtime.executor_of`). What the runtime tells layers about the microbatch being
 run (its loss weight for auxiliary losses, the timeline, the bounded wait) is
-:func:`lightning_pp.runtime.context.current`.
+:func:`lightning_pp.runtime.plans.context.current`.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ class PipelineModel(Protocol):
 @runtime_checkable
 class OwnsSchedulePlan(Protocol):
     def build_schedule_plan(self, *inputs: Any) -> Any:
-        """An :class:`~lightning_pp.runtime.plan.AbstractSchedulePlan` for one microbatch."""
+        """An :class:`~lightning_pp.runtime.plans.plan.AbstractSchedulePlan` for one microbatch."""
 
 
 @runtime_checkable
 class ProvidesScheduleNodes(Protocol):
     def schedule_nodes(self, event: Any) -> Any:
-        """The five :class:`~lightning_pp.runtime.plan.ScheduleNode` s (attn, dispatch, mlp,
+        """The five :class:`~lightning_pp.runtime.plans.plan.ScheduleNode` s (attn, dispatch, mlp,
         combine, post) of one microbatch, ordered by ``event``."""
 
 

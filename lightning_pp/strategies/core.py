@@ -13,19 +13,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.runtime import (
-    PipelineExecutor,
-    StepResult,
-    build_pipeline,
-    build_topology,
-    check_protocol,
-    find_executor,
-)
-from lightning_pp.runtime.config import DEFAULT_TIMEOUT as DEFAULT_PIPELINE_TIMEOUT  # noqa: F401  (re-exported)
+from lightning_pp.runtime.build import build_pipeline, find_executor
+from lightning_pp.runtime.cut.partition import check_protocol
+from lightning_pp.runtime.step.executor import PipelineExecutor, StepResult
+from lightning_pp.runtime.topology import build_topology
 from lightning_pp.runtime.config import PipelineConfig
-from lightning_pp.runtime.grads import clip_grad_norm_, grad_norm
-from lightning_pp.runtime.guard import failure_seen_in_process
-from lightning_pp.runtime.microbatch import batch_size
+from lightning_pp.runtime.step.grads import clip_grad_norm_, grad_norm
+from lightning_pp.runtime.failure.guard import failure_seen_in_process
+from lightning_pp.runtime.step.microbatch import batch_size
 from lightning_pp.strategies.data import DataParallelWorld, LitdataSharding, data_parallel_world
 
 
@@ -234,7 +229,7 @@ class PipelineStrategyMixin:
     config: PipelineConfig
     engine: PipelineEngine
     #: Modules left on the meta device (``configure_model``, ``init_module(empty_init=True)``) are
-    #: materialised after the cut, only what each rank keeps (``lightning_pp.runtime.meta``).
+    #: materialised after the cut, only what each rank keeps (``lightning_pp.runtime.cut.meta``).
     materializes_meta_modules = True
 
     def _configure_launcher(self) -> None:
@@ -290,10 +285,3 @@ class PipelineStrategyMixin:
             self._litdata.uninstall()
             self._litdata = None
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        from lightning_pp.strategies.registration import register_into
-
-        register_into(strategy_registry, cls)
-

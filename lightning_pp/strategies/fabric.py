@@ -27,11 +27,12 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_pp.runtime import executor_of
-from lightning_pp.runtime.failure import WatchdogConfig
-from lightning_pp.runtime.meta import has_meta_tensors
+from lightning_pp.runtime.build import executor_of
+from lightning_pp.runtime.failure.watchdog import WatchdogConfig
+from lightning_pp.runtime.cut.meta import has_meta_tensors
 from lightning_pp.strategies import checkpoint as ckpt
-from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineStrategyMixin, config_from_arguments
+from lightning_pp.runtime.config import DEFAULT_TIMEOUT
+from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin, config_from_arguments
 
 ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe", "zb1p", "zbv", "dualpipev"]
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
@@ -83,7 +84,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         schedule: ScheduleName = "1f1b",
         layout: Optional[Union[str, list[int]]] = None,
         microbatch_group_size: Optional[int] = None,
-        pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT,
+        pipeline_timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         nonfinite: NonFinitePolicy = "raise",
         pipeline_watchdog: Union[bool, WatchdogConfig] = True,
         activation_checkpointing: Union[bool, list[type]] = False,
@@ -127,7 +128,8 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         the most recently set-up strategy. An exception the user catches is the user's to report."""
         import weakref
 
-        from lightning_pp.runtime.failure import FailureBoard, install_excepthook
+        from lightning_pp.runtime.failure.board import FailureBoard
+        from lightning_pp.runtime.failure.outside_step import install_excepthook
 
         strategy = weakref.ref(self)
 
@@ -149,7 +151,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """``fabric.init_module(empty_init=True)``: modules are built on the meta device (no
         memory); ``setup_module`` materialises and initialises only what this rank keeps after the
-        cut (see ``lightning_pp.runtime.meta``). Otherwise as ``DDPStrategy``."""
+        cut (see ``lightning_pp.runtime.cut.meta``). Otherwise as ``DDPStrategy``."""
         if not empty_init:
             return super().module_init_context(empty_init)
         stack = ExitStack()

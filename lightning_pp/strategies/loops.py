@@ -85,6 +85,6 @@ def warn_unused_step_methods(module: Any, fn: Any) -> None:
 
 
 def len_of(batch: Any) -> Optional[int]:
-    from lightning_pp.runtime.microbatch import batch_size
+    from lightning_pp.runtime.step.microbatch import batch_size
 
     return batch_size(batch)

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_pp.runtime import find_executor
+from lightning_pp.runtime.build import find_executor
 
 PARAM_ORDER_RULE = (
     "A checkpoint's optimizer state is matched to parameters by position, as on one device: "

@@ -33,9 +33,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_pp.runtime.failure import WatchdogConfig
+from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.strategies import checkpoint as ckpt
-from lightning_pp.strategies.core import DEFAULT_PIPELINE_TIMEOUT, PipelineEngine, PipelineStrategyMixin, config_from_arguments
+from lightning_pp.runtime.config import DEFAULT_TIMEOUT
+from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin, config_from_arguments
 from lightning_pp.strategies.loops import (
     _PipelineAutomaticOptimization,
     len_of,
@@ -101,7 +102,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         schedule: ScheduleName = "1f1b",
         layout: Optional[Union[str, list[int]]] = None,
         microbatch_group_size: Optional[int] = None,
-        pipeline_timeout: datetime.timedelta = DEFAULT_PIPELINE_TIMEOUT,
+        pipeline_timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         nonfinite: NonFinitePolicy = "raise",
         pipeline_watchdog: Union[bool, WatchdogConfig] = True,
         activation_checkpointing: Union[bool, list[type]] = False,
@@ -145,7 +146,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """``Trainer.init_module(empty_init=True)``: modules are built on the meta device (no
         memory); after the cut each rank materialises and initialises only what it keeps (see
-        ``lightning_pp.runtime.meta``). Otherwise as ``DDPStrategy``."""
+        ``lightning_pp.runtime.cut.meta``). Otherwise as ``DDPStrategy``."""
         if empty_init:
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
@@ -376,7 +377,8 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             pass
 
     def _explain_exception(self, exception: BaseException) -> None:
-        from lightning_pp.runtime.failure import FailureBoard, explain_exception, locate
+        from lightning_pp.runtime.failure.board import FailureBoard
+        from lightning_pp.runtime.failure.outside_step import explain_exception, locate
 
         engine = self.engine
         executor = engine.executor

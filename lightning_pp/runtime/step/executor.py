@@ -4,15 +4,15 @@ One training step:
 
 1. the batch is split into microbatches along dim 0 (fewer microbatches for a short batch);
 2. the rank's actions (from :mod:`lightning_pp.schedules`) run in order, each the forward,
-   backward or both of one (microbatch, chunk) (:mod:`lightning_pp.runtime.stage`, over an
-   explicit :class:`~lightning_pp.runtime.stage.StepState`);
+   backward or both of one (microbatch, chunk) (:mod:`lightning_pp.runtime.step.stage`, over an
+   explicit :class:`~lightning_pp.runtime.step.stage.StepState`);
 3. data-parallel reductions are launched as each chunk finishes its backward
-   (:mod:`lightning_pp.runtime.grads`);
+   (:mod:`lightning_pp.runtime.step.grads`);
 4. one all-reduce gives every rank the batch loss, the normaliser, the inf/nan flags and the batch
-   fingerprints, and every rank decides alike (:mod:`lightning_pp.runtime.loss`); the gradients
+   fingerprints, and every rank decides alike (:mod:`lightning_pp.runtime.step.loss`); the gradients
    are divided by the global count.
 
-Failures (:mod:`lightning_pp.runtime.guard`): every wait has the pipeline timeout; the rank that
+Failures (:mod:`lightning_pp.runtime.failure.guard`): every wait has the pipeline timeout; the rank that
 fails records itself on the job's failure board, and a rank whose peer vanished or stalled names
 that peer from its published position.
 """
@@ -29,20 +29,23 @@ import torch
 from torch import nn
 
 from lightning_pp.runtime.config import PipelineConfig
-from lightning_pp.runtime.failure import Diagnosis, FailureBoard, NonFiniteError, Position, watchdog_for
-from lightning_pp.runtime.grads import GradientSync
-from lightning_pp.runtime.guard import StepGuard
-from lightning_pp.runtime.loss import StepEnd
-from lightning_pp.runtime.microbatch import batch_fingerprint, batch_size, broadcast_batch, split_microbatches
-from lightning_pp.runtime.p2p import PointToPoint
-from lightning_pp.runtime.partition import Partition, default_pipeline_inputs
-from lightning_pp.runtime.plan import set_streams
+from lightning_pp.runtime.failure.diagnosis import Diagnosis
+from lightning_pp.runtime.failure.board import FailureBoard, Position
+from lightning_pp.runtime.failure.errors import NonFiniteError
+from lightning_pp.runtime.failure.watchdog import watchdog_for
+from lightning_pp.runtime.step.grads import GradientSync
+from lightning_pp.runtime.failure.guard import StepGuard
+from lightning_pp.runtime.step.loss import StepEnd
+from lightning_pp.runtime.step.microbatch import batch_fingerprint, batch_size, broadcast_batch, split_microbatches
+from lightning_pp.runtime.transport.p2p import PointToPoint
+from lightning_pp.runtime.cut.partition import Partition, default_pipeline_inputs
+from lightning_pp.runtime.plans.plan import set_streams
 from lightning_pp.runtime.protocols import HoldsResources, StepObserver
-from lightning_pp.runtime.rng import StageRNG
-from lightning_pp.runtime.stage import StageRunner, StepState
+from lightning_pp.runtime.step.rng import StageRNG
+from lightning_pp.runtime.step.stage import StageRunner, StepState
 from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
-from lightning_pp.runtime.waits import BoundedWait
+from lightning_pp.runtime.transport.waits import BoundedWait
 from lightning_pp.schedules import FUSED_SCHEDULES, ScheduleConfig, config_for_batch, rank_actions, split_backwards
 from lightning_pp.schedules.messages import delivery_marks, send_order
 

@@ -1,8 +1,8 @@
 """The runtime's schedule plans: a chunk's layers for one microbatch, node by node, so that combined
 1F1B can run one microbatch's forward and another's backward interleaved (see
-:mod:`lightning_pp.runtime.plan` for the contract).
+:mod:`lightning_pp.runtime.plans.plan` for the contract).
 
-A layer is cut into five slots, each a :class:`~lightning_pp.runtime.plan.ScheduleNode`::
+A layer is cut into five slots, each a :class:`~lightning_pp.runtime.plans.plan.ScheduleNode`::
 
     attn (compute) -> dispatch (comm) -> mlp (compute) -> combine (comm) -> post (compute)
 
@@ -24,8 +24,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from lightning_pp.runtime.partition import run_layer
-from lightning_pp.runtime.plan import (
+from lightning_pp.runtime.layer import run_layer
+from lightning_pp.runtime.plans.plan import (
     AbstractSchedulePlan,
     NoopScheduleNode,
     PlanEvent,
@@ -34,7 +34,6 @@ from lightning_pp.runtime.plan import (
     get_comp_stream,
 )
 from lightning_pp.runtime.protocols import OwnsSchedulePlan, ProvidesScheduleNodes
-from lightning_pp.runtime.waits import LaunchedWork, wait_for  # noqa: F401  (the MoE layers' imports)
 
 Tensors = tuple
 _NO_STREAM = nullcontext()  # reusable: nullcontext keeps no state

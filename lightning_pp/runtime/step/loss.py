@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_pp.runtime.failure import BatchMismatchError
+from lightning_pp.runtime.failure.errors import BatchMismatchError
 from lightning_pp.runtime.topology import Topology
 from lightning_pp.schedules import ScheduleConfig
 

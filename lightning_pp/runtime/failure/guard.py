@@ -12,17 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from lightning_pp.runtime.failure import (
-    Diagnosis,
-    FailureBoard,
-    PipelineCommError,
-    PipelineError,
-    Position,
-    add_note,
-    classify,
-    is_comm_error,
-)
-from lightning_pp.runtime.watchdog import process_watchdog
+from lightning_pp.runtime.failure.diagnosis import Diagnosis
+from lightning_pp.runtime.failure.board import FailureBoard, Position
+from lightning_pp.runtime.failure.errors import PipelineCommError, PipelineError, add_note, classify
+from lightning_pp.runtime.failure.outside_step import is_comm_error
+from lightning_pp.runtime.failure.watchdog import process_watchdog
 
 _failed_steps = 0  # pipeline steps that failed in this process (any executor)
 

@@ -17,22 +17,17 @@ placeholder, so only the owned chunks' parameters and buffers stay in memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from lightning_pp.runtime.protocols import OwnsSchedulePlan, ProvidesScheduleNodes
-from lightning_pp.runtime.layout import Layout, balanced_layout, parse_layout_string, resolve_layout  # noqa: F401  (re-exported)
+from lightning_pp.runtime.layer import run_layer
+from lightning_pp.runtime.protocols import OwnsSchedulePlan
+from lightning_pp.runtime.cut.layout import Layout, resolve_layout
 from lightning_pp.schedules.actions import stage_owner, virtual_stage
 
 REQUIRED_METHODS = ("pipeline_layers", "pipeline_loss")
-
-# Which pipeline layers recompute their forward in backward: all that can (True), none (False),
-# or the layers that are instances of the given classes (Lightning's FSDP uses the same form).
-CheckpointPolicy = Union[bool, Sequence[type]]
-
 
 def check_protocol(module: Any) -> None:
     """Raise ``TypeError`` naming every missing protocol method."""
@@ -99,13 +94,13 @@ class StageChunk:
         return x
 
     def build_schedule_plan(self, *inputs: Any):
-        """This chunk's plan for one microbatch (``lightning_pp.runtime.plan``): its layer's own,
+        """This chunk's plan for one microbatch (``lightning_pp.runtime.plans.plan``): its layer's own,
         when the chunk is one layer that brings a plan class, else a ``ChunkSchedulePlan`` of its
         layers. ``inputs``: the chunk's forward inputs where known (the first stage), else none
         (the plan's ``run`` gets them from its ``pre_forward`` hook)."""
         if len(self.layers) == 1 and isinstance(self.layers[0], OwnsSchedulePlan):
             return self.layers[0].build_schedule_plan(*inputs)
-        from lightning_pp.runtime.nodes import ChunkSchedulePlan  # nodes imports this module
+        from lightning_pp.runtime.plans.nodes import ChunkSchedulePlan  # nodes imports this module
 
         return ChunkSchedulePlan(self.layers, inputs)
 
@@ -299,47 +294,3 @@ def _requires_grad(module: nn.Module, name: str) -> bool:
 def tie_groups_for(tied: list[TiedParameter]) -> list[tuple[int, ...]]:
     """Distinct sets of pipeline ranks that share parameters, in a deterministic order."""
     return sorted({t.pp_ranks for t in tied})
-
-
-def run_layer(layer: nn.Module, x: Any) -> Any:
-    """Call one pipeline layer (a tuple input is unpacked). A layer marked for activation
-    checkpointing keeps only its inputs and recomputes its forward during backward."""
-    args = x if isinstance(x, tuple) else (x,)
-    if getattr(layer, "_lpp_checkpoint", False) and torch.is_grad_enabled():
-        return checkpoint(layer, *args, use_reentrant=False)
-    return layer(*args)
-
-
-def checkpointed_layers(layers: Sequence[nn.Module], policy: CheckpointPolicy) -> list[int]:
-    """Indices of ``layers`` that ``policy`` checkpoints; raises ``ValueError`` for a bad policy
-    (before any process group exists). Layers that communicate inside their forward (an MoE
-    block's expert all-to-all: they have ``schedule_nodes``) are never recomputed: with
-    ``True`` they are left out, and naming their class is an error."""
-    if isinstance(policy, bool):
-        classes: tuple = ()
-    else:
-        try:
-            classes = tuple(policy)
-        except TypeError:
-            classes = (None,)
-        if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-            raise ValueError(
-                f"activation_checkpointing={policy!r} is invalid: pass True (every layer that can be "
-                f"recomputed), False, or a list of nn.Module classes whose layers are recomputed, "
-                f"e.g. [TransformerBlock]."
-            )
-    chosen = []
-    for i, layer in enumerate(layers):
-        if policy is False or (classes and not isinstance(layer, classes)):
-            continue
-        if isinstance(layer, ProvidesScheduleNodes):
-            if classes:
-                raise ValueError(
-                    f"activation_checkpointing lists {type(layer).__name__} (pipeline layer {i}), whose "
-                    f"forward communicates (expert all-to-all): recomputing it in backward would run its "
-                    f"all-to-alls again. Leave {type(layer).__name__} out of the list and checkpoint "
-                    f"inside it instead (e.g. its attention, with torch.utils.checkpoint)."
-                )
-            continue
-        chosen.append(i)
-    return chosen

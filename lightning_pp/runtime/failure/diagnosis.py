@@ -1,7 +1,7 @@
 """Naming the rank to blame when a wait of this rank failed and no rank has reported a failure.
 
 :class:`Diagnosis` reads the positions every rank's watchdog publishes on the failure board
-(:mod:`lightning_pp.runtime.board`). A rank whose connection to a peer closed names that peer and
+(:mod:`lightning_pp.runtime.failure.board`). A rank whose connection to a peer closed names that peer and
 its last published action; a rank whose wait timed out follows the "waiting for" chain of
 published positions to the rank that is not waiting (computing for too long, outside the step, or
 silent) and names that one. A chain that comes back to where it started is a deadlock, which is
@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from lightning_pp.runtime.board import STORE_GONE, FailureBoard
-from lightning_pp.runtime.errors import PipelineCommError
-from lightning_pp.runtime.watchdog import WatchdogConfig
+from lightning_pp.runtime.failure.board import STORE_GONE, FailureBoard
+from lightning_pp.runtime.failure.errors import PipelineCommError
+from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 
 
 class Diagnosis:

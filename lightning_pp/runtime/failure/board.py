@@ -6,8 +6,8 @@ the job's key-value store (the ``TCPStore`` every ``torch.distributed`` job alre
   in their own communication (a closed connection or a timeout) and read the line, so every
   rank's error names the rank that failed first, not its neighbour.
 * A rank that is SIGKILLed, or stuck, writes nothing; so every rank's watchdog
-  (:mod:`lightning_pp.runtime.watchdog`) publishes where the rank is, read from the rank's
-  :class:`Position`, and :class:`~lightning_pp.runtime.diagnosis.Diagnosis` reads the positions
+  (:mod:`lightning_pp.runtime.failure.watchdog`) publishes where the rank is, read from the rank's
+  :class:`Position`, and :class:`~lightning_pp.runtime.failure.diagnosis.Diagnosis` reads the positions
   to name the rank to blame.
 
 Nothing here adds a collective to the step.

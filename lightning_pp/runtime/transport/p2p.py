@@ -22,9 +22,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_pp.runtime.errors import PipelineCommError
+from lightning_pp.runtime.failure.errors import PipelineCommError
 from lightning_pp.runtime.timeline import SpanKind
-from lightning_pp.runtime.waits import BoundedWait
+from lightning_pp.runtime.transport.waits import BoundedWait
 from lightning_pp.schedules.messages import Message
 
 HEADER_LEN = 64
@@ -134,7 +134,7 @@ class PointToPoint:
 
     ``peer_rank`` maps a pipeline rank to the global rank of the same data-parallel slot.
     ``describe`` names this rank in error messages. ``position`` (a
-    :class:`~lightning_pp.runtime.board.Position`) is told whom this rank is waiting for, so
+    :class:`~lightning_pp.runtime.failure.board.Position`) is told whom this rank is waiting for, so
     the watchdog can publish it.
 
     Within one step every microbatch crossing a boundary must keep the dtypes, numbers of

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any, Optional, Sequence
 
-from lightning_pp.runtime import context
+from lightning_pp.runtime.plans import context
 
 
 class LaunchedWork:
@@ -88,7 +88,7 @@ class BoundedWait:
     def __call__(self, work: Any, what: str, peer: Optional[int] = None, with_peer: str = "") -> None:
         """Wait for ``work`` (``what``: the message part; ``peer``: the global rank on the other end,
         ``with_peer``: how the message names it)."""
-        from lightning_pp.runtime.failure import PipelineCommError, classify
+        from lightning_pp.runtime.failure.errors import PipelineCommError, classify
 
         position = self.position
         if position is not None:

@@ -2,11 +2,11 @@
 ends a rank that stays blocked after another rank failed.
 
 * **Published positions.** A rank that is SIGKILLed, or stuck, writes nothing to the failure
-  board (:mod:`lightning_pp.runtime.board`). So the watchdog thread publishes where the rank is
+  board (:mod:`lightning_pp.runtime.failure.board`). So the watchdog thread publishes where the rank is
   (in a step or not, which action, and whether it is blocked waiting for a peer or in a
   collective) whenever that changes, at most every ``position_interval`` seconds, plus a heartbeat
   every ``heartbeat_interval``. The main thread only stores plain attributes
-  (:class:`~lightning_pp.runtime.board.Position`); all I/O happens on the watchdog thread.
+  (:class:`~lightning_pp.runtime.failure.board.Position`); all I/O happens on the watchdog thread.
 * **The last resort.** A gloo wait cannot be interrupted from another thread (process group
   ``abort``/``shutdown`` leave a blocked receive blocked), and a rank stuck in computation never
   reaches a wait at all. So once a failure is on the board, a rank whose main thread has not
@@ -35,7 +35,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_pp.runtime.board import STORE_GONE, FailureBoard
+from lightning_pp.runtime.failure.board import STORE_GONE, FailureBoard
 
 WATCHDOG_EXIT_CODE = 70  # EX_SOFTWARE: the watchdog ended a rank that could not raise
 

@@ -5,7 +5,7 @@ A forward receives its input from the previous virtual stage (or calls ``pipelin
 first stage), runs the chunk and sends the output on (or computes ``pipeline_loss`` on the last
 stage), keeping a :class:`Stash` for its backward. A backward gets its outputs' gradients (from the
 next stage, or from the loss), runs autograd through the chunk and sends the input gradients back.
-Under combined 1F1B every chunk runs through its schedule plan (:mod:`lightning_pp.runtime.plan`),
+Under combined 1F1B every chunk runs through its schedule plan (:mod:`lightning_pp.runtime.plans.plan`),
 and these transfers are the plan's hooks, so they happen inside the fused step.
 """
 
@@ -16,16 +16,16 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from lightning_pp.runtime.context import microbatch_context
-from lightning_pp.runtime.failure import PipelineCommError
-from lightning_pp.runtime.loss import normalise_loss
-from lightning_pp.runtime.microbatch import batch_size
-from lightning_pp.runtime.nodes import sending
-from lightning_pp.runtime.p2p import PointToPoint
-from lightning_pp.runtime.partition import Partition
-from lightning_pp.runtime.rng import StageRNG
+from lightning_pp.runtime.plans.context import microbatch_context
+from lightning_pp.runtime.failure.errors import PipelineCommError
+from lightning_pp.runtime.step.loss import normalise_loss
+from lightning_pp.runtime.step.microbatch import batch_size
+from lightning_pp.runtime.plans.nodes import sending
+from lightning_pp.runtime.transport.p2p import PointToPoint
+from lightning_pp.runtime.cut.partition import Partition
+from lightning_pp.runtime.step.rng import StageRNG
 from lightning_pp.runtime.timeline import Timeline
-from lightning_pp.runtime.weight_grad import DeferredWeights, deferring, engine_backward
+from lightning_pp.runtime.plans.weight_grad import DeferredWeights, deferring, engine_backward
 from lightning_pp.schedules import ScheduleConfig
 from lightning_pp.schedules.messages import Message
 

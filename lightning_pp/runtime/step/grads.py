@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lightning_pp.runtime.partition import Partition, tie_groups_for
+from lightning_pp.runtime.cut.partition import Partition, tie_groups_for
 from lightning_pp.runtime.topology import Topology
 from lightning_pp.schedules import WEIGHT_GRAD, Action
 

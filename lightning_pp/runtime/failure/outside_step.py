@@ -22,10 +22,10 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from lightning_pp.runtime.board import FAILURE_KEY, STORE_GONE, FailureBoard
-from lightning_pp.runtime.diagnosis import Diagnosis
-from lightning_pp.runtime.errors import NonFiniteError, PipelineCommError, PipelineError, add_note, classify
-from lightning_pp.runtime.watchdog import Watchdog, current_watchdog
+from lightning_pp.runtime.failure.board import FAILURE_KEY, STORE_GONE, FailureBoard
+from lightning_pp.runtime.failure.diagnosis import Diagnosis
+from lightning_pp.runtime.failure.errors import NonFiniteError, PipelineCommError, PipelineError, add_note, classify
+from lightning_pp.runtime.failure.watchdog import Watchdog, current_watchdog
 
 EXECUTOR_NOTE = "lightning_pp: the pipeline step failed on "  # the note PipelineExecutor adds
 
@@ -58,8 +58,8 @@ def is_comm_error(exc: BaseException) -> bool:
 # step raised. Looked up by name (and only in modules already imported) so that this module does
 # not import the executor, which imports it.
 _STEP_RUNNERS = (
-    ("lightning_pp.runtime.guard", "StepGuard", "run"),
-    ("lightning_pp.runtime.executor", "PipelineExecutor", "_guarded"),  # before StepGuard existed
+    ("lightning_pp.runtime.failure.guard", "StepGuard", "run"),
+    ("lightning_pp.runtime.step.executor", "PipelineExecutor", "_guarded"),  # before StepGuard existed
 )
 
 

@@ -1,0 +1,147 @@
+"""``build_pipeline``: from a module and a configuration to this rank's executor (validate, build
+the groups, cut, shard the experts, materialise, then the executor), and the handle on a pipelined
+module's executor."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_pp.runtime.config import PipelineConfig
+from lightning_pp.runtime.cut.meta import has_meta_tensors, materialize
+from lightning_pp.runtime.cut.partition import (
+    Partition,
+    add_frozen_stage_placeholder,
+    check_protocol,
+    cut_model,
+    layer_list,
+    resolve_layout,
+)
+from lightning_pp.runtime.layer import checkpointed_layers
+from lightning_pp.runtime.protocols import ExpertParallelLayer
+from lightning_pp.runtime.step.executor import PipelineExecutor
+from lightning_pp.runtime.topology import Topology, build_topology
+
+
+def build_pipeline(
+    module: nn.Module,
+    config: Optional[PipelineConfig] = None,
+    *,
+    device: torch.device = torch.device("cpu"),
+    topology: Optional[Topology] = None,
+    **options: Any,
+) -> PipelineExecutor:
+    """Validate the configuration, build the groups, cut ``module`` in place and return the
+    executor for this rank. Every check that can fail does so before any group is created.
+
+    ``options`` are :class:`~lightning_pp.runtime.config.PipelineConfig`'s fields, by name (or pass
+    a ``config``; options given as well override its fields): ``timeout`` bounds every wait of a step (a peer that
+    makes no progress for that long is named as stuck); ``nonfinite`` is what a step with inf/nan
+    loss or gradients does (``"raise"``, ``"skip"`` or ``"ignore"``, decided alike on every rank);
+    ``watchdog`` configures (or, with ``False``, disables) the thread that publishes this rank's
+    position and ends it if it stays blocked after a peer failed (see
+    :mod:`lightning_pp.runtime.failure`). ``activation_checkpointing``: layers that keep only their
+    inputs and recompute their forward in backward (``True``: every layer except those that
+    communicate, such as MoE blocks; or a list of layer classes). ``check_batches`` compares, every
+    step, a fingerprint of the batch each stage of a pipeline was given (``"raise"``, ``"warn"`` or
+    ``"off"``; it rides on the loss all-reduce); ``broadcast_batches=True`` instead uses pipeline
+    rank 0's batch on every stage (one broadcast per step), for data pipelines that cannot give
+    every stage the same batch. A module built on the meta device is materialised after the cut,
+    only what this rank keeps, with the seed ``torch.initial_seed()`` (see
+    :mod:`lightning_pp.runtime.cut.meta`)."""
+    config = PipelineConfig.with_options(config, options)
+    check_protocol(module)
+    layers = layer_list(module)  # once: pipeline_layers() may build new adapter objects every call
+    check_expert_placement(module, layers)
+    recomputed = set(checkpointed_layers(layers, config.activation_checkpointing))
+    if topology is None:
+        config = config.resolve(torch.distributed.get_world_size())
+        resolve_layout(config.layout, len(layers), config.schedule_config.num_stages)
+        topology = build_topology(config.pipeline_parallel_size, config.expert_parallel_size, device.type)
+    elif config.pipeline_parallel_size is None:
+        config = config.resolve(topology.dims.world_size)
+    schedule_config = config.schedule_config
+    for i in recomputed:
+        layers[i]._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
+    partition = cut_model(module, schedule_config.pp, schedule_config.vp, topology.pp_rank, config.layout, layers=layers,
+                          placement=schedule_config.placement)
+    setup_expert_parallel(partition, topology, device)
+    if has_meta_tensors(module):  # built on the meta device: only what stays here gets memory
+        init_fn = getattr(module, "pipeline_init_weights", None)
+        partition.follow(materialize(module, device, torch.initial_seed(), init_fn))
+    partition.forget_freed(module)  # before anything new is made: a new object may reuse a freed id
+    add_frozen_stage_placeholder(module, partition)
+    module.to(device)
+    executor = PipelineExecutor(module, partition, topology, config, device=device)
+    module._lpp_executor = executor  # not a submodule: a plain attribute (see executor_of)
+    return executor
+
+
+def setup_expert_parallel(partition: Partition, topology: Topology, device: torch.device) -> None:
+    """Give every expert-parallel layer of this rank's chunks its group (``setup_expert_parallel``
+    on any submodule that has it), so it keeps only this rank's experts."""
+    for chunk in partition.chunks:
+        for layer in chunk.layers:
+            for sub in layer.modules():
+                if isinstance(sub, ExpertParallelLayer):
+                    sub.setup_expert_parallel(topology.ep_group, topology.ep_rank, topology.ep, device)
+
+
+def check_expert_placement(module: nn.Module, layers: list[nn.Module]) -> None:
+    """Every parameter of the layers is an expert's (in an expert-parallel layer's
+    ``expert_list()``) or dense, never both, and no parameter outside every ``expert_list()`` is
+    marked as an expert's: each kind is reduced over its own group, so a parameter whose placement
+    cannot be told is an error naming it. Run on the whole model before the cut, so every rank
+    decides alike."""
+    experts: list[nn.Module] = []
+    for sub in (sub for layer in layers for sub in layer.modules() if isinstance(sub, ExpertParallelLayer)):
+        listed, count = sub.expert_list(), getattr(sub, "num_experts", None)
+        if not isinstance(listed, nn.ModuleList) or (count is not None and len(listed) != count):
+            what = f"a ModuleList of {len(listed)}" if isinstance(listed, nn.ModuleList) else type(listed).__name__
+            raise ValueError(
+                f"{type(sub).__name__}.expert_list() returned {what}: it must return the nn.ModuleList of all "
+                f"{count} experts, expert e at index e (registered in the module, so each expert-parallel rank "
+                f"can keep its share and replace the others by placeholders).")
+        experts.extend(listed)
+    expert_ids = {id(m) for m in experts}
+    expert_params = {id(p) for m in experts for p in m.parameters()}
+    dense: dict[int, nn.Parameter] = {}
+    stack = list(layers)
+    while stack:  # every module of the layers but the experts' subtrees
+        sub = stack.pop()
+        if id(sub) not in expert_ids:
+            dense.update((id(p), p) for p in sub.parameters(recurse=False))
+            stack.extend(sub.children())
+    names = {id(p): name for name, p in module.named_parameters()}
+    shared = sorted(names.get(pid, "?") for pid in dense if pid in expert_params)
+    if shared:
+        raise ValueError(
+            f"parameter(s) {', '.join(shared[:6])} belong both to an expert (in expert_list()) and to a module "
+            f"outside the experts: an expert's parameters live on one expert-parallel rank and are reduced over "
+            f"the expert-data-parallel group, a dense parameter's on every rank. Give each expert its own "
+            f"parameters, or move the shared module out of the experts.")
+    marked = sorted(names.get(pid, "?") for pid, p in dense.items() if getattr(p, "_lpp_expert", False))
+    if marked:
+        raise ValueError(
+            f"parameter(s) {', '.join(marked[:6])} are marked as expert parameters (mark_expert_parameters) but "
+            f"are in no expert-parallel layer's expert_list(), so it cannot be told which expert-parallel rank "
+            f"holds them. Return their modules from the layer's expert_list() (subclass "
+            f"lightning_pp.moe.ExpertParallelMoE), or do not mark them (dense parameters need no marking).")
+
+
+def find_executor(module: nn.Module) -> Optional[PipelineExecutor]:
+    """The executor that runs ``module`` on this rank, or ``None`` if it is not pipelined (a
+    Fabric-wrapped module is looked through)."""
+    return getattr(module, "_forward_module", module).__dict__.get("_lpp_executor")
+
+
+def executor_of(module: nn.Module) -> PipelineExecutor:
+    """The executor that runs ``module`` on this rank (after ``build_pipeline``, or a strategy's
+    setup), e.g. for ``capture_step`` or ``executor.timeline``."""
+    executor = find_executor(module)
+    if executor is None:
+        raise ValueError(f"{type(module).__name__} is not pipelined on this rank: build_pipeline (or the "
+                         f"strategy's setup) has not run on it.")
+    return executor
