@@ -1,4 +1,4 @@
-"""A user's own MoE layer, written as the README shows (an ``ExpertParallelMoE`` subclass with
+"""A user's own MoE layer, written as docs/moe.md shows (an ``ExpertParallelMoE`` subclass with
 ``moe_pre``, ``expert_list`` and ``moe_post``, nothing else), trains under pp=2 x ep=2 exactly as
 on one device; a parameter whose expert placement cannot be told is an error at setup."""
 
@@ -16,23 +16,23 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 from distributed import DistributedFailure, run_distributed
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+MOE_DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "moe.md"
 TRAINER = dict(accelerator="cpu", max_steps=3, precision="64-true", logger=False, enable_checkpointing=False,
                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
 HIDDEN, VOCAB, EXPERTS = 8, 13, 4
 
 
 def readme_moe_block():
-    """The README's custom MoE layer, run as printed."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    """The custom MoE layer of docs/moe.md, run as printed."""
+    blocks = re.findall(r"```python\n(.*?)```", MOE_DOC.read_text(), re.S)
     (code,) = [b for b in blocks if "class MyMoEBlock(ExpertParallelMoE)" in b]
     namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)
+    exec(compile(code, str(MOE_DOC), "exec"), namespace)
     return namespace["MyMoEBlock"]
 
 
 class UserMoE(L.LightningModule):
-    """Embedding, four of the README's blocks, a head; the user's single-device training_step."""
+    """Embedding, four of the blocks of docs/moe.md, a head; the user's single-device training_step."""
 
     def __init__(self):
         super().__init__()

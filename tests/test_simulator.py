@@ -463,12 +463,12 @@ def test_large_schedule_is_linear_time():
 
 
 def test_the_readme_per_stage_example_runs():
-    """README "Planning a pipeline": the per-stage example runs as printed, and the uneven stages
+    """docs/planning.md ("Planning a pipeline"): the per-stage example runs as printed, and the uneven stages
     (a first stage without input gradient, a last one with the loss) plan a larger bubble."""
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "StageCost" in b]
     scope: dict = {}
     exec(block.replace("print(", "_ = ("), scope)
