@@ -213,7 +213,7 @@ def _measure(rank: int, world: int, cfg: dict, schedule: str) -> dict:
             steps.append(records)
     if rank != 0:
         return {}
-    config = impl.executor.config
+    config = impl.executor.schedule
     return {"p2p": p2p, "steps": [_step_figures(records, config, p2p) for records in steps]}
 
 

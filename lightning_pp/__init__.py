@@ -1,7 +1,8 @@
 """lightning_pp: pipeline and expert parallelism for PyTorch Lightning and Fabric.
 
-Importing the package registers the strategy names (``pp_1f1b``, ``pp_interleaved``,
-``pp_combined_1f1b``, ``pp_gpipe``) with the Trainer's and Fabric's registries. Lightning itself is
+Importing the package registers the strategy names (``pp_<schedule>`` for every schedule:
+``pp_1f1b``, ``pp_interleaved``, ``pp_combined_1f1b``, ``pp_gpipe``, ``pp_zb1p``, ``pp_zbv``,
+``pp_dualpipev``) with the Trainer's and Fabric's registries. Lightning itself is
 imported only when it is used (see ``strategies/registration.py``), also for the lazily exported
 ``PipelineMonitor`` callback (``lightning_pp.callbacks``).
 """

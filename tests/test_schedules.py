@@ -118,7 +118,7 @@ def test_validation_accepts_exactly_the_valid_configs(raw):
     bad = expected_violations(*raw)
     if not bad:
         cfg = make_config(schedule, pp, vp, microbatches, group)
-        assert (cfg.pp, cfg.vp, cfg.microbatches) == (pp, vp, microbatches)
+        assert (cfg.pp, cfg.vp, cfg.num_microbatches) == (pp, vp, microbatches)
         return
     with pytest.raises(ValueError) as info:
         make_config(schedule, pp, vp, microbatches, group)
@@ -131,26 +131,26 @@ def test_validation_accepts_exactly_the_valid_configs(raw):
     "kwargs, expected",
     [
         # interleaving needs at least pp microbatches
-        (dict(schedule="interleaved", pp=4, vp=2, microbatches=2), "num_microbatches=2"),
+        (dict(schedule="interleaved", pp=4, vp=2, num_microbatches=2), "num_microbatches=2"),
         # remainder rule: 6 % 4 = 2 is neither 0 nor >= pp
-        (dict(schedule="interleaved", pp=4, vp=2, microbatches=6), "num_microbatches=6"),
-        (dict(schedule="combined_1f1b", pp=4, vp=2, microbatches=10, microbatch_group_size=8), "num_microbatches=10"),
+        (dict(schedule="interleaved", pp=4, vp=2, num_microbatches=6), "num_microbatches=6"),
+        (dict(schedule="combined_1f1b", pp=4, vp=2, num_microbatches=10, microbatch_group_size=8), "num_microbatches=10"),
         # interleaving needs vp >= 2; 1f1b needs vp == 1
-        (dict(schedule="interleaved", pp=4, vp=1, microbatches=8), "virtual_pipeline_size=1"),
-        (dict(schedule="1f1b", pp=4, vp=2, microbatches=8), "virtual_pipeline_size=2"),
+        (dict(schedule="interleaved", pp=4, vp=1, num_microbatches=8), "virtual_pipeline_size=1"),
+        (dict(schedule="1f1b", pp=4, vp=2, num_microbatches=8), "virtual_pipeline_size=2"),
         # non-positive sizes
-        (dict(schedule="1f1b", pp=0, vp=1, microbatches=4), "pipeline_parallel_size (pp)=0"),
-        (dict(schedule="1f1b", pp=-2, vp=1, microbatches=4), "pipeline_parallel_size (pp)=-2"),
-        (dict(schedule="gpipe", pp=2, vp=0, microbatches=4), "virtual_pipeline_size (vp)=0"),
-        (dict(schedule="1f1b", pp=2, vp=1, microbatches=0), "num_microbatches=0"),
-        (dict(schedule="1f1b", pp=2, vp=1, microbatches=-3), "num_microbatches=-3"),
-        (dict(schedule="interleaved", pp=2, vp=2, microbatches=4, microbatch_group_size=0), "microbatch_group_size=0"),
+        (dict(schedule="1f1b", pp=0, vp=1, num_microbatches=4), "pipeline_parallel_size (pp)=0"),
+        (dict(schedule="1f1b", pp=-2, vp=1, num_microbatches=4), "pipeline_parallel_size (pp)=-2"),
+        (dict(schedule="gpipe", pp=2, vp=0, num_microbatches=4), "virtual_pipeline_size (vp)=0"),
+        (dict(schedule="1f1b", pp=2, vp=1, num_microbatches=0), "num_microbatches=0"),
+        (dict(schedule="1f1b", pp=2, vp=1, num_microbatches=-3), "num_microbatches=-3"),
+        (dict(schedule="interleaved", pp=2, vp=2, num_microbatches=4, microbatch_group_size=0), "microbatch_group_size=0"),
         # group size rules
-        (dict(schedule="interleaved", pp=4, vp=2, microbatches=8, microbatch_group_size=2), "microbatch_group_size=2"),
-        (dict(schedule="interleaved", pp=2, vp=2, microbatches=4, microbatch_group_size=6), "microbatch_group_size=6"),
-        (dict(schedule="1f1b", pp=2, vp=1, microbatches=4, microbatch_group_size=2), "microbatch_group_size=2"),
+        (dict(schedule="interleaved", pp=4, vp=2, num_microbatches=8, microbatch_group_size=2), "microbatch_group_size=2"),
+        (dict(schedule="interleaved", pp=2, vp=2, num_microbatches=4, microbatch_group_size=6), "microbatch_group_size=6"),
+        (dict(schedule="1f1b", pp=2, vp=1, num_microbatches=4, microbatch_group_size=2), "microbatch_group_size=2"),
         # unknown schedule
-        (dict(schedule="zero_bubble", pp=2, vp=1, microbatches=4), "schedule='zero_bubble'"),
+        (dict(schedule="zero_bubble", pp=2, vp=1, num_microbatches=4), "schedule='zero_bubble'"),
     ],
 )
 def test_invalid_config_message_names_parameter_and_value(kwargs, expected):
@@ -165,7 +165,7 @@ def test_direct_construction_is_validated_too():
 
 
 def test_microbatches_default_to_twice_pp():
-    assert make_config("1f1b", 3).microbatches == 6
+    assert make_config("1f1b", 3).num_microbatches == 6
 
 
 def test_rank_out_of_range():
@@ -181,7 +181,7 @@ def test_rank_out_of_range():
 @PROPERTY_SETTINGS
 @given(valid_configs())
 def test_every_chunk_runs_forward_and_backward_exactly_once(cfg):
-    expected = Counter((mb, chunk) for mb in range(cfg.microbatches) for chunk in range(cfg.vp))
+    expected = Counter((mb, chunk) for mb in range(cfg.num_microbatches) for chunk in range(cfg.vp))
     for rank, actions in enumerate(all_rank_actions(cfg)):
         assert Counter(forward_parts(actions)) == expected, rank
         assert Counter(backward_parts(actions)) == expected, rank
@@ -237,7 +237,7 @@ def test_chunk_order_is_respected_across_ranks_in_simulation(cfg):
             f_time[(f[0], cfg.stage_of(rank, f[1]))] = (start, end)
         if b is not None:
             b_time[(b[0], cfg.stage_of(rank, b[1]))] = (start, end)
-    assert len(f_time) == len(b_time) == cfg.microbatches * cfg.num_stages
+    assert len(f_time) == len(b_time) == cfg.num_microbatches * cfg.num_stages
     for (mb, stage), (start, _) in f_time.items():
         if stage > 0:
             assert start >= f_time[(mb, stage - 1)][1], (mb, stage)
@@ -260,8 +260,8 @@ def test_1f1b_warmup_is_pp_minus_rank_minus_one(pp, microbatches):
     for rank, actions in enumerate(all_rank_actions(cfg)):
         leading = next((i for i, a in enumerate(actions) if a.kind != FORWARD), len(actions))
         # warm-up forwards, then the first steady forward comes before the first backward
-        expected = min(cfg.pp - rank - 1, cfg.microbatches)
-        assert leading == min(expected + 1, cfg.microbatches)
+        expected = min(cfg.pp - rank - 1, cfg.num_microbatches)
+        assert leading == min(expected + 1, cfg.num_microbatches)
 
 
 def test_stage_helpers_round_trip():
@@ -281,18 +281,18 @@ MEGATRON_PP2_VP2_N2_M4 = {
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_megatron_interleaved_worked_order(rank):
-    cfg = make_config("interleaved", pp=2, vp=2, microbatches=4, microbatch_group_size=2)
+    cfg = make_config("interleaved", pp=2, vp=2, num_microbatches=4, microbatch_group_size=2)
     assert " ".join(a.describe() for a in rank_actions(cfg, rank)) == MEGATRON_PP2_VP2_N2_M4[rank]
 
 
 def test_megatron_interleaved_default_group_is_pp():
-    with_default = make_config("interleaved", pp=2, vp=2, microbatches=4)
-    explicit = make_config("interleaved", pp=2, vp=2, microbatches=4, microbatch_group_size=2)
+    with_default = make_config("interleaved", pp=2, vp=2, num_microbatches=4)
+    explicit = make_config("interleaved", pp=2, vp=2, num_microbatches=4, microbatch_group_size=2)
     assert all_rank_actions(with_default) == all_rank_actions(explicit)
 
 
 def test_megatron_worked_warmups_pp4_vp2_n4_m8():
-    cfg = make_config("interleaved", pp=4, vp=2, microbatches=8)
+    cfg = make_config("interleaved", pp=4, vp=2, num_microbatches=8)
     actions = all_rank_actions(cfg)
     for rank, warmup in ((0, 10), (3, 4)):
         leading = next(i for i, a in enumerate(actions[rank]) if a.kind != FORWARD)

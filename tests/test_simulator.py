@@ -107,7 +107,7 @@ INTERLEAVED_BUBBLE_TOLERANCE = 1e-9
 @given(cfg=interleaved_configs(), costs=unit_costs)
 def test_interleaved_bubble_closed_form(cfg, costs):
     result = simulate(cfg, costs)
-    closed_form = (cfg.pp - 1) / (cfg.vp * cfg.microbatches + cfg.pp - 1)
+    closed_form = (cfg.pp - 1) / (cfg.vp * cfg.num_microbatches + cfg.pp - 1)
     assert abs(result.bubble_fraction - closed_form) <= INTERLEAVED_BUBBLE_TOLERANCE
     assert result.peak_inflight == inflight_from_lists(all_rank_actions(cfg))
 
@@ -115,7 +115,7 @@ def test_interleaved_bubble_closed_form(cfg, costs):
 @PROPERTY_SETTINGS
 @given(cfg=interleaved_configs("combined_1f1b"), costs=unit_costs)
 def test_combined_interleaved_without_a2a_matches_interleaved(cfg, costs):
-    base = make_config("interleaved", cfg.pp, cfg.vp, cfg.microbatches, cfg.microbatch_group_size)
+    base = make_config("interleaved", cfg.pp, cfg.vp, cfg.num_microbatches, cfg.microbatch_group_size)
     assert simulate(cfg, costs).pipeline_makespan == pytest.approx(simulate(base, costs).pipeline_makespan)
 
 

@@ -120,7 +120,7 @@ def _plan_accumulations(rank, world):
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(lambda _p, name=name: events.append((name, executor.position.action)))
     executor.train_step(token_batches(5, 8, 6, 1)[0])
-    split = split_backwards(rank_actions(executor.config, executor.pp_rank))
+    split = split_backwards(rank_actions(executor.schedule, executor.pp_rank))
     return [(name, str(a.kind), a.backward_part() or (a.microbatch, a.chunk)) for name, a in events], split
 
 

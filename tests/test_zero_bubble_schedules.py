@@ -91,7 +91,7 @@ def held_from_lists(actions) -> list:
 
 
 def _cfg_id(c):
-    return f"{c.schedule}-pp{c.pp}-vp{c.vp}-m{c.microbatches}-g{c.microbatch_group_size}"
+    return f"{c.schedule}-pp{c.pp}-vp{c.vp}-m{c.num_microbatches}-g{c.microbatch_group_size}"
 
 
 @pytest.mark.parametrize("cfg", GRID, ids=_cfg_id)
@@ -119,7 +119,7 @@ def test_tables_are_complete_and_follow_the_split_rule(cfg):
         fb_halves = {a.backward_part() for a in rank_list if a.kind == FORWARD_BACKWARD}
         assert not fb_halves & set(seen_w), "torch's OVERLAP_F_B runs full backwards"
     for stage in range(cfg.num_stages):
-        for mb in range(cfg.microbatches):
+        for mb in range(cfg.num_microbatches):
             assert per_stage["F", mb, stage] == 1 and per_stage["B", mb, stage] == 1, (mb, stage)
             assert per_stage["W", mb, stage] <= 1
 
@@ -138,7 +138,7 @@ def test_simulation_finishes_and_respects_every_dependency(schedule):
                 b_span[b[0], cfg.stage_of(rank, b[1])] = (rank, start, end)
             if action.kind == WEIGHT_GRAD:
                 w_span[action.microbatch, cfg.stage_of(rank, action.chunk)] = (rank, start, end)
-        assert len(f_span) == len(b_span) == cfg.num_stages * cfg.microbatches
+        assert len(f_span) == len(b_span) == cfg.num_stages * cfg.num_microbatches
         for (mb, stage), (rank, start, _) in f_span.items():
             if stage:
                 before_rank, _, before_end = f_span[mb, stage - 1]
@@ -156,7 +156,7 @@ def test_forward_only_runs_every_forward_once_without_deadlock():
     for cfg in GRID[::3]:
         evaluation = all_rank_actions(cfg, forward_only=True)
         assert all(a.kind == FORWARD for rank_list in evaluation for a in rank_list)
-        assert sum(map(len, evaluation)) == cfg.num_stages * cfg.microbatches
+        assert sum(map(len, evaluation)) == cfg.num_stages * cfg.num_microbatches
         simulate(cfg, actions=evaluation)
 
 
@@ -313,12 +313,12 @@ def test_deadlock_message_names_v_stages():
 @pytest.mark.parametrize(
     "kwargs, expected",
     [
-        (dict(schedule="zbv", pp=4, vp=1, microbatches=8), "virtual_pipeline_size=1"),
-        (dict(schedule="dualpipev", pp=4, vp=3, microbatches=8), "virtual_pipeline_size=3"),
-        (dict(schedule="dualpipev", pp=4, vp=2, microbatches=7), "num_microbatches=7"),
-        (dict(schedule="zbv", pp=2, vp=2, microbatches=4, microbatch_group_size=2), "microbatch_group_size=2"),
-        (dict(schedule="zb1p", pp=4, vp=2, microbatches=6), "num_microbatches=6"),
-        (dict(schedule="zb1p", pp=2, vp=1, microbatches=4, microbatch_group_size=2), "microbatch_group_size=2"),
+        (dict(schedule="zbv", pp=4, vp=1, num_microbatches=8), "virtual_pipeline_size=1"),
+        (dict(schedule="dualpipev", pp=4, vp=3, num_microbatches=8), "virtual_pipeline_size=3"),
+        (dict(schedule="dualpipev", pp=4, vp=2, num_microbatches=7), "num_microbatches=7"),
+        (dict(schedule="zbv", pp=2, vp=2, num_microbatches=4, microbatch_group_size=2), "microbatch_group_size=2"),
+        (dict(schedule="zb1p", pp=4, vp=2, num_microbatches=6), "num_microbatches=6"),
+        (dict(schedule="zb1p", pp=2, vp=1, num_microbatches=4, microbatch_group_size=2), "microbatch_group_size=2"),
     ],
 )
 def test_invalid_configs_name_parameter_value_and_fix(kwargs, expected):
@@ -348,9 +348,9 @@ def test_short_batches_keep_the_placement_and_run(schedule, vp, microbatches):
     for batch in range(1, microbatches + 2):
         short = config_for_batch(cfg, batch)
         assert short.placement == cfg.placement and short.vp == cfg.vp
-        assert short.microbatches <= min(batch, microbatches)
+        assert short.num_microbatches <= min(batch, microbatches)
         if cfg.schedule != "zb1p" or cfg.vp == 1 or short.schedule == "gpipe":  # no grouping rule
-            assert short.microbatches == min(batch, microbatches)
+            assert short.num_microbatches == min(batch, microbatches)
         simulate(short)
         if short.schedule != cfg.schedule:
             assert batch < microbatches
@@ -453,7 +453,7 @@ def to_torch(S, cfg, tables) -> dict:
     return out
 
 
-TORCH_CHECKED = [c for c in GRID if c.pp >= 2 and c.microbatches % 2 == 0] + [
+TORCH_CHECKED = [c for c in GRID if c.pp >= 2 and c.num_microbatches % 2 == 0] + [
     make_config("1f1b", 3, 1, 5), make_config("interleaved", 2, 2, 4), make_config("combined_1f1b", 3, 2, 6),
 ]
 
@@ -462,7 +462,7 @@ def test_torch_validates_lowers_and_simulates_our_tables(torch_schedules):
     S = torch_schedules
     for cfg in TORCH_CHECKED:
         compute = to_torch(S, cfg, all_rank_actions(cfg))
-        stage_to_rank = S._validate_schedule(compute, cfg.pp, cfg.num_stages, cfg.microbatches)
+        stage_to_rank = S._validate_schedule(compute, cfg.pp, cfg.num_stages, cfg.num_microbatches)
         assert stage_to_rank == {s: cfg.owner_of(s)[0] for s in range(cfg.num_stages)}
         lowered = S._add_send_recv({r: list(row) for r, row in compute.items()}, stage_to_rank.__getitem__,
                                    cfg.num_stages)
@@ -482,7 +482,7 @@ def test_torch_validates_lowers_and_simulates_our_tables(torch_schedules):
 def torch_order(S, cfg) -> dict:
     """torch's per-rank compute order for ``cfg``, built without a process group: the schedule
     object with just the attributes its ``_calculate_single_rank_operations`` reads."""
-    pp, m = cfg.pp, cfg.microbatches
+    pp, m = cfg.pp, cfg.num_microbatches
     cls = {"zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV,
            "zb1p": S.ScheduleInterleavedZeroBubble}[cfg.schedule]
     schedule = object.__new__(cls)

@@ -144,7 +144,7 @@ class PipelineStats:
         """One line: measured vs ideal bubble, step time and per-action costs."""
         costs = " ".join(f"{kind} {self.costs[kind] * 1e3:.2f}ms" for kind in COMPUTE_KINDS if kind in self.costs)
         text = (
-            f"{self.config.schedule} pp={self.config.pp} vp={self.config.vp} m={self.config.microbatches}: "
+            f"{self.config.schedule} pp={self.config.pp} vp={self.config.vp} m={self.config.num_microbatches}: "
             f"bubble {self.bubble_fraction:.1%} (ideal {self.ideal_bubble:.1%}"
             + (f"; {self.ideal_bubble_per_stage:.1%} at each stage's own costs" if self.ideal_per_stage is not None else "")
             + f"), step {self.step_time * 1e3:.1f}ms, {costs}"

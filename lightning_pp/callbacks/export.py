@@ -91,7 +91,7 @@ def merged_trace(spans_per_rank: Sequence[Any], config: ScheduleConfig, step: Op
         "schedule": config.schedule,
         "pp": config.pp,
         "vp": config.vp,
-        "microbatches": config.microbatches,
+        "microbatches": config.num_microbatches,
         "step": step,
         "alignment": stats.alignment,
         "ranks": stats.ranks,
@@ -236,8 +236,8 @@ def export_png(spans_per_rank: Sequence[Any], config: ScheduleConfig, path: Path
         for span, action in match_actions(record, config, stats.pp_ranks[index]):
             measured.append((measured_row, span_action(span, action), (span.start + shift) * ms, (span.end + shift) * ms))
         _draw_overlays(ax, record, shift, measured_row - height / 2, height, right)
-    draw_actions(ax, planned, config.microbatches, show_chunks, points_per_ms, height)
-    draw_actions(ax, measured, config.microbatches, show_chunks, points_per_ms, height)
+    draw_actions(ax, planned, config.num_microbatches, show_chunks, points_per_ms, height)
+    draw_actions(ax, measured, config.num_microbatches, show_chunks, points_per_ms, height)
 
     _label_axes(ax, records, config, stats, step, right)
     fig.tight_layout()
@@ -266,15 +266,15 @@ def _label_axes(ax, records: list, config: ScheduleConfig, stats: PipelineStats,
     ax.set_xlabel("time since the step's first action (ms)")
     at = "" if step is None else f"step {step}: "
     ax.set_title(
-        f"{config.schedule} pp={config.pp} vp={config.vp} microbatches={config.microbatches}  {at}"
+        f"{config.schedule} pp={config.pp} vp={config.vp} microbatches={config.num_microbatches}  {at}"
         f"bubble {stats.bubble_fraction:.1%} measured, {stats.ideal_bubble:.1%} planned; "
         f"compute window {stats.step_time * 1e3:.1f} ms",
         fontsize=9,
     )
     kinds = {s.kind for record in records for s in record.spans}
     handles = [
-        Patch(facecolor=action_colour(0, config.microbatches, False), label="forward (lighter)"),
-        Patch(facecolor=action_colour(0, config.microbatches, True), label="backward (darker)"),
+        Patch(facecolor=action_colour(0, config.num_microbatches, False), label="forward (lighter)"),
+        Patch(facecolor=action_colour(0, config.num_microbatches, True), label="backward (darker)"),
         Patch(facecolor="white", edgecolor="grey", hatch="////", label="waiting for neighbour"),
     ]
     if A2A_WAIT in kinds:
@@ -322,10 +322,10 @@ def capture_step(executor, dirpath: Optional[PathLike] = None, step: Optional[in
     import torch.distributed as dist
 
     records = gather_spans(executor.timeline, group=group, topology=executor.topology)
-    stats = analyze(records, executor.step_config, alignment=alignment)
+    stats = analyze(records, executor.step_schedule, alignment=alignment)
     is_zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if dirpath is not None and is_zero:
-        write_step_files(records, executor.step_config, dirpath, step, stats, write_trace, write_png)
+        write_step_files(records, executor.step_schedule, dirpath, step, stats, write_trace, write_png)
     return stats
 
 

@@ -245,7 +245,7 @@ class PipelineMonitor(Callback):
         executor = self._executor
         extra = {"samples": self._samples, "tokens": self._tokens, "seconds": self._seconds}
         records = gather_spans(executor.timeline, topology=executor.topology, extra=extra)
-        stats = analyze(records, executor.step_config, alignment=self.alignment)
+        stats = analyze(records, executor.step_schedule, alignment=self.alignment)
         self._reset_window()
         metrics = stats.metrics(self.prefix)
         metrics.update(self._throughput(records))
@@ -263,7 +263,7 @@ class PipelineMonitor(Callback):
         if index == self.trace_step and (self.write_trace or self.write_png):
             dirpath = self.dirpath if self.dirpath is not None else trainer.log_dir  # collective: every rank
             if trainer.is_global_zero:
-                self._write_files(records, executor.step_config, Path(dirpath or "."), index, stats)
+                self._write_files(records, executor.step_schedule, Path(dirpath or "."), index, stats)
 
     def _write_files(self, records, config, dirpath: Path, index: int, stats: PipelineStats) -> None:
         """The trace and the picture of batch ``index``, each optional: a file that cannot be

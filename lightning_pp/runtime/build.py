@@ -4,12 +4,12 @@ module's executor."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from lightning_pp.runtime.config import PipelineConfig
+from lightning_pp.runtime.config import PipelineConfig, ResolvedPipeline
 from lightning_pp.runtime.cut.meta import has_meta_tensors, materialize
 from lightning_pp.runtime.cut.partition import (
     Partition,
@@ -27,7 +27,7 @@ from lightning_pp.runtime.topology import Topology, build_topology
 
 def build_pipeline(
     module: nn.Module,
-    config: Optional[PipelineConfig] = None,
+    config: Union[PipelineConfig, ResolvedPipeline, None] = None,
     *,
     device: torch.device = torch.device("cpu"),
     topology: Optional[Topology] = None,
@@ -37,7 +37,9 @@ def build_pipeline(
     executor for this rank. Every check that can fail does so before any group is created.
 
     ``options`` are :class:`~lightning_pp.runtime.config.PipelineConfig`'s fields, by name (or pass
-    a ``config``; options given as well override its fields): ``timeout`` bounds every wait of a step (a peer that
+    a ``config``; options given as well override its fields; the strategies pass the
+    :class:`~lightning_pp.runtime.config.ResolvedPipeline` they resolved, with the ``topology``
+    they built from it): ``timeout`` bounds every wait of a step (a peer that
     makes no progress for that long is named as stuck); ``nonfinite`` is what a step with inf/nan
     loss or gradients does (``"raise"``, ``"skip"`` or ``"ignore"``, decided alike on every rank);
     ``watchdog`` configures (or, with ``False``, disables) the thread that publishes this rank's
@@ -51,22 +53,26 @@ def build_pipeline(
     every stage the same batch. A module built on the meta device is materialised after the cut,
     only what this rank keeps, with the seed ``torch.initial_seed()`` (see
     :mod:`lightning_pp.runtime.cut.meta`)."""
-    config = PipelineConfig.with_options(config, options)
+    resolved = config if isinstance(config, ResolvedPipeline) else None
+    if resolved is not None and options:
+        raise TypeError(f"build_pipeline got options {sorted(options)} with an already resolved pipeline: set them "
+                        f"on its PipelineConfig before resolving it.")
+    config = resolved.config if resolved is not None else PipelineConfig.with_options(config, options)
     check_protocol(module)
     layers = layer_list(module)  # once: pipeline_layers() may build new adapter objects every call
     check_expert_placement(module, layers)
     recomputed = set(checkpointed_layers(layers, config.activation_checkpointing))
+    if resolved is None:
+        world_size = topology.dims.world_size if topology is not None else torch.distributed.get_world_size()
+        resolved = config.resolve(world_size)
+    schedule = resolved.schedule
     if topology is None:
-        config = config.resolve(torch.distributed.get_world_size())
-        resolve_layout(config.layout, len(layers), config.schedule_config.num_stages)
-        topology = build_topology(config.pipeline_parallel_size, config.expert_parallel_size, device.type)
-    elif config.pipeline_parallel_size is None:
-        config = config.resolve(topology.dims.world_size)
-    schedule_config = config.schedule_config
+        resolve_layout(config.layout, len(layers), schedule.num_stages)  # before any group exists
+        topology = build_topology(schedule.pp, config.expert_parallel_size, device.type)
     for i in recomputed:
         layers[i]._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
-    partition = cut_model(module, schedule_config.pp, schedule_config.vp, topology.pp_rank, config.layout, layers=layers,
-                          placement=schedule_config.placement)
+    partition = cut_model(module, schedule.pp, schedule.vp, topology.pp_rank, config.layout, layers=layers,
+                          placement=schedule.placement)
     setup_expert_parallel(partition, topology, device)
     if has_meta_tensors(module):  # built on the meta device: only what stays here gets memory
         init_fn = getattr(module, "pipeline_init_weights", None)
@@ -74,7 +80,7 @@ def build_pipeline(
     partition.forget_freed(module)  # before anything new is made: a new object may reuse a freed id
     add_frozen_stage_placeholder(module, partition)
     module.to(device)
-    executor = PipelineExecutor(module, partition, topology, config, device=device)
+    executor = PipelineExecutor(module, partition, topology, resolved, device=device)
     module._lpp_executor = executor  # not a submodule: a plain attribute (see executor_of)
     return executor
 

@@ -1,9 +1,10 @@
-"""How a model is pipelined: one frozen, typed configuration, checked once where it is made.
+"""How a model is pipelined: one frozen, typed configuration, the one declaration of every option.
 
-The strategies build a :class:`PipelineConfig` from their (typed, documented) constructor arguments,
-``build_pipeline`` from its keyword arguments; it then travels whole to the runtime. A
-configuration that cannot work fails when it is made, before any process group exists; the
-checks that need the world size run in :meth:`PipelineConfig.resolve`.
+The strategies' typed constructor arguments (which LightningCLI reads) mirror these fields, held to
+them by a test (names, defaults, annotations); ``build_pipeline`` takes them by name. A
+configuration that cannot work fails when it is made, before any process group exists; the checks
+that need the world size run in :meth:`PipelineConfig.resolve`, which gives the
+:class:`ResolvedPipeline` (the sizes and the validated schedule) that the runtime takes whole.
 """
 
 from __future__ import annotations
@@ -13,17 +14,21 @@ import datetime
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.cut.layout import Layout
+from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.layer import CheckpointPolicy, checkpointed_layers
 from lightning_pp.runtime.topology import ParallelDims
-from lightning_pp.schedules import SCHEDULES, ScheduleConfig, make_config
+from lightning_pp.schedules import ScheduleConfig, default_num_microbatches, make_config, schedule_spec
+from lightning_pp.schedules.tables import positive_int
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
+NONFINITE_POLICIES: tuple = NonFinitePolicy.__args__
 BatchCheck = Literal["raise", "warn", "off"]
-BATCH_CHECKS = ("raise", "warn", "off")
+BATCH_CHECKS: tuple = BatchCheck.__args__
+#: Strategy constructor arguments whose PipelineConfig field has another name (the strategies'
+#: own ``timeout`` is the process group's, as in Lightning's DDP strategy).
+STRATEGY_NAMES = {"timeout": "pipeline_timeout", "watchdog": "pipeline_watchdog"}
 
 
 def check_nonfinite_policy(nonfinite: str) -> None:
@@ -53,23 +58,23 @@ class PipelineConfig:
     num_microbatches: Optional[int] = None
     """Microbatches per batch; ``None``: twice the pipeline size."""
     schedule: str = "1f1b"
-    """``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"``, ``"gpipe"``, ``"zb1p"``, ``"zbv"`` or
-    ``"dualpipev"`` (:data:`lightning_pp.schedules.SCHEDULES`)."""
+    """``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"``, ``"gpipe"``, ``"zb1p"``, ``"zbv"``,
+    ``"dualpipev"``, or a schedule registered with :func:`lightning_pp.schedules.register_schedule`."""
     layout: Layout = None
     """Layers per virtual stage: a list or a Megatron-style string; ``None``: balanced."""
     microbatch_group_size: Optional[int] = None
     """Interleaved grouping of microbatches; ``None``: the pipeline size."""
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     """How long any wait of a step may last before the step fails, naming the rank that stalled."""
-    nonfinite: str = "raise"
+    nonfinite: NonFinitePolicy = "raise"
     """A step with inf/nan loss or gradients: ``"raise"``, ``"skip"`` or ``"ignore"``, on every rank alike."""
     watchdog: Union[bool, WatchdogConfig] = True
     """The watchdog thread (publishes this rank's position, ends it if blocked after a peer failed)."""
-    static_shapes: bool = True
-    """Stage outputs' shapes follow from the batch's: repeated shapes travel without headers."""
     activation_checkpointing: CheckpointPolicy = False
     """Layers recomputed in backward: ``True`` (all that can be), ``False``, or layer classes."""
-    check_batches: str = "raise"
+    static_shapes: bool = True
+    """Stage outputs' shapes follow from the batch's: repeated shapes travel without headers."""
+    check_batches: BatchCheck = "raise"
     """Compare every step a fingerprint of each stage's batch: ``"raise"``, ``"warn"`` or ``"off"``."""
     broadcast_batches: bool = False
     """Use pipeline rank 0's batch on every stage (one broadcast per step) instead of checking."""
@@ -77,8 +82,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         check_nonfinite_policy(self.nonfinite)
         check_batch_policy(self.check_batches, self.broadcast_batches)
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} is not a known schedule: choose one of {', '.join(SCHEDULES)}.")
+        schedule_spec(self.schedule)  # a known schedule (names them otherwise)
         if not isinstance(self.static_shapes, bool):
             raise ValueError(f"static_shapes={self.static_shapes!r} is invalid: pass True or False.")
         if not isinstance(self.timeout, datetime.timedelta) or self.timeout.total_seconds() <= 0:
@@ -88,14 +92,14 @@ class PipelineConfig:
             raise ValueError(f"watchdog={self.watchdog!r} is invalid: pass True, False or a WatchdogConfig.")
         checkpointed_layers([], self.activation_checkpointing)  # the policy's form; its layers at the cut
         if self.pipeline_parallel_size is not None:
-            self.schedule_config  # validates the schedule with its sizes  # noqa: B018
+            self._schedule(self.pipeline_parallel_size)  # validates the schedule with its sizes
         else:  # the sizes that need no pipeline size; the rest when the world size is known (resolve)
             fixes = {"expert_parallel_size": "1 for no expert parallelism", "virtual_pipeline_size": "1 (one chunk per rank)",
                      "num_microbatches": "2 * pipeline_parallel_size", "microbatch_group_size": "None (the pipeline size)"}
             for name, fix in fixes.items():
                 value = getattr(self, name)
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer (>= 1). Use e.g. {fix}.")
+                if value is not None:
+                    positive_int(name, value, f"Use e.g. {fix}.")
 
     @classmethod
     def with_options(cls, config: Optional["PipelineConfig"], options: dict) -> "PipelineConfig":
@@ -110,17 +114,19 @@ class PipelineConfig:
             return cls(**options)
         return dataclasses.replace(config, **options) if options else config
 
-    @property
-    def schedule_config(self) -> ScheduleConfig:
-        """The validated schedule (needs the pipeline size: see :meth:`resolve`)."""
-        if self.pipeline_parallel_size is None:
-            raise ValueError("the pipeline size is not known yet: resolve the configuration for a world size first.")
-        return make_config(self.schedule, self.pipeline_parallel_size, self.virtual_pipeline_size,
-                           self.num_microbatches, self.microbatch_group_size)
+    @classmethod
+    def from_strategy_arguments(cls, arguments: dict) -> "PipelineConfig":
+        """The configuration of a strategy's constructor arguments (its ``locals()``): every field
+        by its name, ``timeout`` and ``watchdog`` by their strategy names (:data:`STRATEGY_NAMES`)."""
+        return cls(**{f.name: arguments[STRATEGY_NAMES.get(f.name, f.name)] for f in dataclasses.fields(cls)})
 
     @property
     def watchdog_config(self) -> WatchdogConfig:
         return self.watchdog if isinstance(self.watchdog, WatchdogConfig) else WatchdogConfig(enabled=self.watchdog)
+
+    def _schedule(self, pp: int) -> ScheduleConfig:
+        num_microbatches = self.num_microbatches if self.num_microbatches is not None else default_num_microbatches(pp)
+        return make_config(self.schedule, pp, self.virtual_pipeline_size, num_microbatches, self.microbatch_group_size)
 
     def dims(self, world_size: int) -> ParallelDims:
         """The parallel sizes for ``world_size`` ranks (checked)."""
@@ -130,10 +136,21 @@ class PipelineConfig:
             return ParallelDims(world_size, world_size // ep, ep).check()
         return ParallelDims(world_size, self.pipeline_parallel_size, ep).check()
 
-    def resolve(self, world_size: int) -> "PipelineConfig":
-        """This configuration for ``world_size`` ranks: the pipeline size and the microbatch count
-        filled in, and every check that needs them run."""
-        pp = self.dims(world_size).pp
-        schedule = make_config(self.schedule, pp, self.virtual_pipeline_size, self.num_microbatches,
-                               self.microbatch_group_size)
-        return dataclasses.replace(self, pipeline_parallel_size=pp, num_microbatches=schedule.microbatches)
+    def resolve(self, world_size: int) -> "ResolvedPipeline":
+        """This configuration for ``world_size`` ranks: the sizes, the pipeline size and the
+        microbatch count filled in, and the schedule validated with them, made once."""
+        dims = self.dims(world_size)
+        schedule = self._schedule(dims.pp)
+        config = dataclasses.replace(self, pipeline_parallel_size=dims.pp, num_microbatches=schedule.num_microbatches)
+        return ResolvedPipeline(config, schedule, dims)
+
+
+@dataclass(frozen=True)
+class ResolvedPipeline:
+    """A :class:`PipelineConfig` for a world size, what the runtime takes whole: ``config`` with
+    the pipeline size and microbatch count filled in, ``schedule`` its validated
+    :class:`~lightning_pp.schedules.ScheduleConfig`, ``dims`` the parallel sizes."""
+
+    config: PipelineConfig
+    schedule: ScheduleConfig
+    dims: ParallelDims

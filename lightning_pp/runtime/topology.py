@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from lightning_pp.schedules.tables import positive_int
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -43,8 +45,7 @@ class ParallelDims:
 
     def check(self) -> "ParallelDims":
         for name, value in (("pipeline_parallel_size", self.pp), ("expert_parallel_size", self.ep)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer. Use 1 to disable it.")
+            positive_int(name, value, "Use 1 to disable it.")
         if self.world_size % (self.pp * self.ep) != 0:
             fits = [p for p in range(1, self.world_size + 1) if self.world_size % (p * self.ep) == 0]
             raise ValueError(

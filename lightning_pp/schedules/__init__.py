@@ -21,12 +21,17 @@ from lightning_pp.schedules.costs import CostModel, StageCost, allreduce_time
 from lightning_pp.schedules.plot import plot_timeline
 from lightning_pp.schedules.render import ascii_timeline, chrome_trace, stats_table
 from lightning_pp.schedules.simulator import SimulationResult, simulate
+from lightning_pp.schedules.actions import backward, forward, forward_backward, weight_grad
+from lightning_pp.schedules.registry import (
+    ScheduleSpec,
+    register_schedule,
+    schedule_names,
+    schedule_spec,
+    unregister_schedule,
+)
 from lightning_pp.schedules.tables import (
-    SCHEDULES,
-    FUSED_SCHEDULES,
-    V_SCHEDULES,
-    ZERO_BUBBLE_SCHEDULES,
     ScheduleConfig,
+    default_num_microbatches,
     all_rank_actions,
     config_for_batch,
     interleaved_table,
@@ -49,6 +54,16 @@ __all__ = [
     "FUSED_SCHEDULES",
     "V_SCHEDULES",
     "ZERO_BUBBLE_SCHEDULES",
+    "ScheduleSpec",
+    "backward",
+    "default_num_microbatches",
+    "forward",
+    "forward_backward",
+    "register_schedule",
+    "schedule_names",
+    "schedule_spec",
+    "unregister_schedule",
+    "weight_grad",
     "ScheduleConfig",
     "check_actions",
     "split_backwards",
@@ -67,3 +82,17 @@ __all__ = [
     "virtual_stage",
     "warmup_count",
 ]
+
+#: Names derived from the registry when read (a schedule registered later is included).
+_DERIVED = {
+    "SCHEDULES": lambda spec: True,  # every schedule
+    "V_SCHEDULES": lambda spec: spec.placement == "v",  # two chunks per rank in a V
+    "FUSED_SCHEDULES": lambda spec: spec.fused,  # FB actions: chunks run through schedule plans
+    "ZERO_BUBBLE_SCHEDULES": lambda spec: spec.splits_backward,  # B and W split
+}
+
+
+def __getattr__(name: str):
+    if name in _DERIVED:
+        return tuple(n for n in schedule_names() if _DERIVED[name](schedule_spec(n)))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,21 +22,26 @@ from lightning_pp.schedules.costs import CostModel, StageCost
 from lightning_pp.schedules.plot import plot_timeline
 from lightning_pp.schedules.render import ascii_timeline, chrome_trace, stats_table
 from lightning_pp.schedules.simulator import simulate
-from lightning_pp.schedules.tables import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, make_config
+from lightning_pp.schedules.registry import schedule_names, schedule_spec
+from lightning_pp.schedules.tables import make_config
 
 
 def build_parser() -> argparse.ArgumentParser:
+    names = schedule_names()  # read now: schedules registered before the parser is built are listed
+    two_chunks = [n for n in names if schedule_spec(n).default_vp == 2]
+    split = [n for n in names if schedule_spec(n).splits_backward]
     parser = argparse.ArgumentParser(
         prog="python -m lightning_pp.schedules",
         description="Print the per-rank action tables of a pipeline schedule and simulate them.",
     )
-    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default: 1f1b)")
+    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(names)} (default: 1f1b)")
     parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size (ranks)")
     parser.add_argument(
         "--vp", type=int, default=None,
-        help=f"virtual pipeline size: chunks per rank (default: 2 for {', '.join(V_SCHEDULES)}, else 1)",
+        help=f"virtual pipeline size: chunks per rank (default: 2 for {', '.join(two_chunks)}, else 1)",
     )
-    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: 2 * pp)")
+    parser.add_argument("--num-microbatches", "--microbatches", dest="num_microbatches", type=int, default=None,
+                        help="microbatches per step (default: 2 * pp); --microbatches is the same flag")
     parser.add_argument("--group-size", type=int, default=None, help="interleaved microbatch group size (default: pp)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
     parser.add_argument("--width", type=int, default=None, help="timeline width in columns (default: 100)")
@@ -48,12 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument(
         "--backward", type=float, default=None,
         help="backward compute time, input gradient only where a W is split off (default: 2; 1 for "
-        f"{', '.join(ZERO_BUBBLE_SCHEDULES)})",
+        f"{', '.join(split)})",
     )
     costs.add_argument(
         "--weight-grad", type=float, default=None,
         help="weight-gradient time: part of every full backward, the cost of each W (default: 0; 1 for "
-        f"{', '.join(ZERO_BUBBLE_SCHEDULES)}, so that B + W = 2 either way)",
+        f"{', '.join(split)}, so that B + W = 2 either way)",
     )
     costs.add_argument(
         "--stage-costs", default=None, metavar="F,B[,W];...",
@@ -106,7 +111,7 @@ def _json_report(cfg, result) -> dict:
         "schedule": cfg.schedule,
         "pp": cfg.pp,
         "vp": cfg.vp,
-        "microbatches": cfg.microbatches,
+        "microbatches": cfg.num_microbatches,
         "ranks": ranks,
         "stats": {
             "bubble_fraction": result.bubble_fraction,
@@ -120,9 +125,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        vp = args.vp if args.vp is not None else (2 if args.schedule in V_SCHEDULES else 1)
-        cfg = make_config(args.schedule, args.pp, vp, args.microbatches, args.group_size)
-        split = cfg.schedule in ZERO_BUBBLE_SCHEDULES
+        vp = args.vp if args.vp is not None else schedule_spec(args.schedule).default_vp
+        cfg = make_config(args.schedule, args.pp, vp, args.num_microbatches, args.group_size)
+        split = cfg.spec.splits_backward
         costs = CostModel(
             forward=args.forward,
             backward=args.backward if args.backward is not None else (1.0 if split else 2.0),
@@ -150,7 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sys.stdout.write("\n")
         else:
             print(
-                f"schedule={cfg.schedule} pp={cfg.pp} vp={cfg.vp} microbatches={cfg.microbatches}"
+                f"schedule={cfg.schedule} pp={cfg.pp} vp={cfg.vp} microbatches={cfg.num_microbatches}"
                 + (f" group_size={cfg.group_size}" if cfg.is_interleaved else "")
                 + (f" placement=v (chunk 0 of rank r is stage r, chunk 1 is stage {2 * cfg.pp - 1} - r)"
                    if cfg.placement == "v" else "")

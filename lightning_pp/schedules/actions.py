@@ -115,6 +115,11 @@ def forward_backward(f: tuple[int, int], b: tuple[int, int]) -> Action:
     return Action(FORWARD_BACKWARD, f[0], f[1], b[0], b[1])
 
 
+def weight_grad(microbatch: int, chunk: int) -> Action:
+    """The deferred weight gradient of an earlier ``B`` of the same (microbatch, chunk)."""
+    return Action(WEIGHT_GRAD, microbatch, chunk)
+
+
 PLACEMENTS = ("loop", "v")
 
 
@@ -149,10 +154,10 @@ def _check_ids(cfg, rank: int, action) -> None:
     if kind == FORWARD_BACKWARD:
         halves.append((action[3], action[4]))
     for microbatch, chunk in halves:
-        if not (isinstance(microbatch, int) and 0 <= microbatch < cfg.microbatches):
+        if not (isinstance(microbatch, int) and 0 <= microbatch < cfg.num_microbatches):
             raise ValueError(
                 f"rank {rank}: microbatch={microbatch!r} in {action!r} is out of range "
-                f"for num_microbatches={cfg.microbatches}."
+                f"for num_microbatches={cfg.num_microbatches}."
             )
         if not (isinstance(chunk, int) and 0 <= chunk < cfg.vp):
             raise ValueError(f"rank {rank}: chunk={chunk!r} in {action!r} is out of range for vp={cfg.vp}.")
@@ -190,3 +195,26 @@ def check_actions(cfg, actions) -> None:
                         f"put it after that B."
                     )
                 weighted.add(pair)
+
+
+def check_complete(cfg, actions) -> None:
+    """Reject training tables in which some (microbatch, chunk) of a rank does not run exactly one
+    forward and exactly one backward (a ``B``, or the backward half of an ``FB``): a missing
+    backward would silently drop that microbatch's gradient, a repeated one count it twice."""
+    expected = [(mb, chunk) for mb in range(cfg.num_microbatches) for chunk in range(cfg.vp)]
+    for rank, rank_list in enumerate(actions):
+        forwards: dict = {}
+        backwards: dict = {}
+        for action in rank_list:
+            f, b = action.forward_part(), action.backward_part()
+            if f is not None:
+                forwards[f] = forwards.get(f, 0) + 1
+            if b is not None:
+                backwards[b] = backwards.get(b, 0) + 1
+        for pair in expected:
+            counts = (forwards.get(pair, 0), backwards.get(pair, 0))
+            if counts != (1, 1):
+                raise ValueError(
+                    f"rank {rank}: microbatch {pair[0]}, chunk {pair[1]} runs {counts[0]} forward(s) and {counts[1]} "
+                    f"backward(s) in the table; a training table runs each (microbatch, chunk) of its rank exactly "
+                    f"once forward and once backward (B, or the backward half of an FB).")

@@ -116,7 +116,7 @@ def plot_timeline(result: SimulationResult, cfg: ScheduleConfig, path) -> None:
 
     height = 0.8
     points_per_unit = fig.get_figwidth() * 72 * 0.85 / makespan  # roughly: axes span ~85% of the figure
-    draw_actions(ax, result.events, cfg.microbatches, cfg.vp > 1, points_per_unit, height)
+    draw_actions(ax, result.events, cfg.num_microbatches, cfg.vp > 1, points_per_unit, height)
     if result.allreduce_time > 0:
         for rank in range(cfg.pp):
             ax.broken_barh(
@@ -130,14 +130,14 @@ def plot_timeline(result: SimulationResult, cfg: ScheduleConfig, path) -> None:
     ax.set_xlim(0, makespan)
     ax.set_xlabel("time (cost-model units)")
     ax.set_title(
-        f"{cfg.schedule}  pp={cfg.pp} vp={cfg.vp} microbatches={cfg.microbatches}"
+        f"{cfg.schedule}  pp={cfg.pp} vp={cfg.vp} microbatches={cfg.num_microbatches}"
         + ("  (V placement)" if cfg.placement == "v" else "")
         + "  "
         f"bubble {result.bubble_fraction:.1%}  makespan {format_time(result.makespan)}"
     )
     handles = [
-        Patch(facecolor=action_colour(0, cfg.microbatches, False), label="forward (lighter)"),
-        Patch(facecolor=action_colour(0, cfg.microbatches, True), label="backward (darker)"),
+        Patch(facecolor=action_colour(0, cfg.num_microbatches, False), label="forward (lighter)"),
+        Patch(facecolor=action_colour(0, cfg.num_microbatches, True), label="backward (darker)"),
     ]
     if any(action.kind == WEIGHT_GRAD for _, action, _, _ in result.events):
         handles.append(Patch(facecolor=WEIGHT_GRAD_COLOUR, label="weight grad W"))

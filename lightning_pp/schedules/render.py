@@ -274,7 +274,7 @@ def chrome_trace(result: SimulationResult, cfg: ScheduleConfig, us_per_unit: flo
             "schedule": cfg.schedule,
             "pp": cfg.pp,
             "vp": cfg.vp,
-            "microbatches": cfg.microbatches,
+            "microbatches": cfg.num_microbatches,
             "placement": cfg.placement,
             "bubble_fraction": result.bubble_fraction,
             "makespan": result.makespan,

@@ -137,7 +137,7 @@ class _Replay:
     """
 
     def __init__(self, cfg: ScheduleConfig, costs: CostModel, actions: Sequence[Sequence[Action]]) -> None:
-        pp, m = cfg.pp, cfg.microbatches
+        pp, m = cfg.pp, cfg.num_microbatches
         self.cfg, self.actions, self.m = cfg, actions, m
         self.last_stage = cfg.num_stages - 1
         self._layout(cfg, costs.p2p_time())
@@ -328,7 +328,7 @@ class _Replay:
             )
             raise RuntimeError(
                 f"schedule deadlocks ({cfg.schedule}, pp={cfg.pp}, vp={cfg.vp}, num_microbatches="
-                f"{cfg.microbatches}): ranks {stuck} cannot progress: {detail}"
+                f"{cfg.num_microbatches}): ranks {stuck} cannot progress: {detail}"
             )
 
     def result(self, costs: CostModel) -> SimulationResult:
@@ -361,7 +361,7 @@ class _Replay:
 def _describe_key(cfg: ScheduleConfig, key: int) -> str:
     """Human form of the input a parked rank waits for."""
     kind, idx = ("forward output", key) if key >= 0 else ("backward gradient", ~key)
-    stage, microbatch = divmod(idx, cfg.microbatches)
+    stage, microbatch = divmod(idx, cfg.num_microbatches)
     rank, chunk = cfg.owner_of(stage)
     return f"{kind} of microbatch {microbatch} at stage {stage} (rank {rank}, chunk {chunk})"
 

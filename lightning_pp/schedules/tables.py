@@ -44,16 +44,9 @@ from lightning_pp.schedules.actions import (
     stage_owner,
     virtual_stage,
 )
+from lightning_pp.schedules.actions import check_actions, check_complete
+from lightning_pp.schedules.registry import ScheduleSpec, register_schedule, schedule_spec
 from lightning_pp.schedules.zero_bubble import dualpipev_actions, zb1p_actions, zbv_actions
-
-SCHEDULES = ("1f1b", "interleaved", "combined_1f1b", "gpipe", "zb1p", "zbv", "dualpipev")
-#: Schedules whose two chunks per rank sit in a V (see :attr:`ScheduleConfig.placement`).
-V_SCHEDULES: tuple = ("zbv", "dualpipev")
-#: Schedules whose tables fuse one microbatch's forward with another's backward (``FB`` actions):
-#: the runtime runs their chunks through schedule plans so the two halves overlap.
-FUSED_SCHEDULES: tuple = ("combined_1f1b", "dualpipev")
-#: Schedules whose tables split backwards into ``B`` (input gradient) and ``W`` (weight gradient).
-ZERO_BUBBLE_SCHEDULES: tuple = ("zb1p", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -64,8 +57,13 @@ class ScheduleConfig:
     schedule: str
     pp: int
     vp: int
-    microbatches: int
+    num_microbatches: int
     microbatch_group_size: Optional[int] = None  # interleaved grouping; None -> pp
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The schedule's spec in the registry (:mod:`lightning_pp.schedules.registry`)."""
+        return schedule_spec(self.schedule)
 
     @property
     def group_size(self) -> int:
@@ -81,7 +79,7 @@ class ScheduleConfig:
         ``c`` of rank ``r`` is stage ``c * pp + r``. ``"v"`` (the V-shaped schedules, two chunks per
         rank): chunk 0 of rank ``r`` is stage ``r`` and chunk 1 is stage ``2 * pp - 1 - r``, so rank
         0 holds the first and the last stage."""
-        return "v" if self.schedule in V_SCHEDULES else "loop"
+        return self.spec.placement
 
     def stage_of(self, rank: int, chunk: int) -> int:
         """Global virtual stage of local ``chunk`` on pipeline ``rank``."""
@@ -99,84 +97,74 @@ class ScheduleConfig:
     @property
     def is_interleaved(self) -> bool:
         """Whether the table uses Megatron's grouped interleaved order."""
-        return self.schedule == "interleaved" or (self.schedule in ("combined_1f1b", "zb1p") and self.vp > 1)
+        return self.spec.interleaved(self.vp)
 
     def validate(self) -> "ScheduleConfig":
         _validate(self)
         return self
 
 
+def default_num_microbatches(pp: int) -> int:
+    """The microbatch count when none is given: ``2 * pp``, enough to fill every schedule's
+    pipeline (DualPipeV needs one per virtual stage) while keeping microbatches large."""
+    return 2 * pp
+
+
 def make_config(
     schedule: str,
     pp: int,
     vp: int = 1,
-    microbatches: Optional[int] = None,
+    num_microbatches: Optional[int] = None,
     microbatch_group_size: Optional[int] = None,
 ) -> ScheduleConfig:
-    """Validated :class:`ScheduleConfig`; ``microbatches`` defaults to ``2 * pp``."""
-    if microbatches is None:
-        microbatches = 2 * pp if isinstance(pp, int) else pp
-    return ScheduleConfig(schedule, pp, vp, microbatches, microbatch_group_size).validate()
+    """Validated :class:`ScheduleConfig`; ``num_microbatches`` defaults to
+    :func:`default_num_microbatches`."""
+    if num_microbatches is None and isinstance(pp, int) and not isinstance(pp, bool):
+        num_microbatches = default_num_microbatches(pp)
+    return ScheduleConfig(schedule, pp, vp, num_microbatches, microbatch_group_size).validate()
 
 
-def _positive(name: str, value, hint: str) -> None:
+def positive_int(name: str, value, hint: str) -> None:
+    """Raise ``ValueError`` naming ``name``, the value, the rule and ``hint`` (the fix) unless
+    ``value`` is an ``int`` >= 1 (``True`` is not a count)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer (>= 1). {hint}")
 
 
 def _validate(cfg: ScheduleConfig) -> None:
-    if cfg.schedule not in SCHEDULES:
-        raise ValueError(
-            f"schedule={cfg.schedule!r} is not a known schedule: choose one of {', '.join(SCHEDULES)}."
-        )
-    _positive("pipeline_parallel_size (pp)", cfg.pp, "Use pp=1 for no pipelining.")
-    _positive("virtual_pipeline_size (vp)", cfg.vp, "Use vp=1 for one chunk per rank.")
-    _positive(
+    spec = schedule_spec(cfg.schedule)  # names the known schedules
+    positive_int("pipeline_parallel_size (pp)", cfg.pp, "Use pp=1 for no pipelining.")
+    positive_int("virtual_pipeline_size (vp)", cfg.vp, "Use vp=1 for one chunk per rank.")
+    positive_int(
         "num_microbatches",
-        cfg.microbatches,
+        cfg.num_microbatches,
         f"Use at least pp={cfg.pp if isinstance(cfg.pp, int) else '?'} microbatches, e.g. 2 * pp.",
     )
-    _validate_chunks(cfg)
+    reason = spec.chunks(cfg.vp)
+    if reason is not None:
+        raise ValueError(f"virtual_pipeline_size={cfg.vp} is invalid for schedule={cfg.schedule!r}: {reason}")
     if cfg.microbatch_group_size is not None:
-        _positive("microbatch_group_size", cfg.microbatch_group_size, f"Use the default (pp={cfg.pp}).")
+        positive_int("microbatch_group_size", cfg.microbatch_group_size, f"Use the default (pp={cfg.pp}).")
         if not cfg.is_interleaved:
             raise ValueError(
                 f"microbatch_group_size={cfg.microbatch_group_size} only applies to interleaved "
                 f"schedules (vp >= 2), not schedule={cfg.schedule!r} with vp={cfg.vp}. Leave it unset."
             )
-    if cfg.schedule == "dualpipev" and cfg.microbatches < 2 * cfg.pp:
-        raise ValueError(
-            f"num_microbatches={cfg.microbatches} is invalid for schedule='dualpipev' with pp={cfg.pp}: "
-            f"DualPipeV needs num_microbatches >= 2 * pp = {2 * cfg.pp} (one per virtual stage) to "
-            f"fill its V. Use num_microbatches={2 * cfg.pp}, or schedule='zbv' for fewer."
-        )
+    if spec.rule is not None:
+        reason = spec.rule(cfg)
+        if reason is not None:
+            raise ValueError(reason)
     if cfg.is_interleaved:
         _validate_interleaved(cfg)
-
-
-def _validate_chunks(cfg: ScheduleConfig) -> None:
-    """The chunks per rank (``vp``) each schedule runs."""
-    if cfg.schedule == "1f1b" and cfg.vp != 1:
-        raise ValueError(
-            f"virtual_pipeline_size={cfg.vp} is invalid for schedule='1f1b': 1F1B runs one chunk "
-            f"per rank (vp=1). Use schedule='interleaved' for vp={cfg.vp}, or set vp=1."
-        )
-    if cfg.schedule == "interleaved" and cfg.vp < 2:
-        raise ValueError(
-            f"virtual_pipeline_size={cfg.vp} is invalid for schedule='interleaved': interleaving "
-            f"needs at least 2 chunks per rank. Use vp=2, or schedule='1f1b' for vp=1."
-        )
-    if cfg.schedule in V_SCHEDULES and cfg.vp != 2:
-        raise ValueError(
-            f"virtual_pipeline_size={cfg.vp} is invalid for schedule={cfg.schedule!r}: a V schedule "
-            f"runs exactly 2 chunks per rank (stages r and 2 * pp - 1 - r). Use vp=2, or "
-            f"schedule='zb1p' for vp={cfg.vp}."
-        )
+    if spec.check_tables:
+        tables = [spec.actions(cfg, rank) for rank in range(cfg.pp)]
+        check_actions(cfg, tables)
+        check_complete(cfg, tables)
 
 
 def _validate_interleaved(cfg: ScheduleConfig) -> None:
     """Megatron's grouping rules, for every schedule with the grouped interleaved order."""
-    m, p, n = cfg.microbatches, cfg.pp, cfg.group_size
+    m, p, n = cfg.num_microbatches, cfg.pp, cfg.group_size
     if n < p:
         raise ValueError(
             f"microbatch_group_size={n} is invalid for pp={p}: an interleaved group must hold at "
@@ -209,16 +197,16 @@ def _validate_interleaved(cfg: ScheduleConfig) -> None:
 def config_for_batch(cfg: ScheduleConfig, batch_size: int) -> ScheduleConfig:
     """The configuration a step whose batch holds ``batch_size`` samples runs.
 
-    ``cfg`` itself when the batch has at least ``cfg.microbatches`` samples. A smaller batch (the
-    last batch of an epoch with ``drop_last=False``) runs the same schedule with the most
+    ``cfg`` itself when the batch has at least ``cfg.num_microbatches`` samples. A smaller batch
+    (the last batch of an epoch with ``drop_last=False``) runs the same schedule with the most
     microbatches it allows (at most one sample each), or, where that schedule cannot run so few
-    (interleaving needs at least ``pp``), GPipe over the same chunks -- or, for the V schedules
-    (DualPipeV needs ``2 * pp``), ZB-V, which keeps the V placement and runs any count. Gradients
-    are those of the whole batch either way: only the order, the bubble and the activation memory
-    differ."""
+    (interleaving needs at least ``pp``), its spec's fallback over the same chunks: GPipe for the
+    loop placement, ZB-V for the V (DualPipeV needs ``2 * pp``; ZB-V keeps the V and runs any
+    count). Gradients are those of the whole batch either way: only the order, the bubble and the
+    activation memory differ."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"a batch of size {batch_size!r} cannot be run: a step needs at least one sample.")
-    if batch_size >= cfg.microbatches:
+    if batch_size >= cfg.num_microbatches:
         return cfg
     for count in range(batch_size, 0, -1):
         group = cfg.microbatch_group_size
@@ -229,8 +217,7 @@ def config_for_batch(cfg: ScheduleConfig, batch_size: int) -> ScheduleConfig:
         except ValueError:
             continue
     # The fallback must keep the placement: the model's chunks are already built for it.
-    fallback = "zbv" if cfg.placement == "v" else "gpipe"
-    return ScheduleConfig(fallback, cfg.pp, cfg.vp, batch_size).validate()
+    return ScheduleConfig(cfg.spec.fallback_name, cfg.pp, cfg.vp, batch_size).validate()
 
 
 def interleaved_table(microbatches: int, vp: int, group_size: int) -> list[tuple[int, int]]:
@@ -246,22 +233,28 @@ def interleaved_table(microbatches: int, vp: int, group_size: int) -> list[tuple
 
 def warmup_count(cfg: ScheduleConfig, rank: int) -> int:
     """Forwards rank ``rank`` runs before its first backward (before the steady state)."""
-    total = cfg.microbatches * cfg.vp
+    spec = cfg.spec
+    if spec.warmup is not None:
+        return spec.warmup(cfg, rank)
+    actions = rank_actions(cfg, rank)
+    return next((i for i, a in enumerate(actions) if a.kind != FORWARD), len(actions))
+
+
+def _one_f_one_b_warmup(cfg: ScheduleConfig, rank: int) -> int:
+    """The warm-up of the 1F1B family (1f1b, interleaved, combined_1f1b, gpipe) and of ZB-H1."""
+    total = cfg.num_microbatches * cfg.vp
     if cfg.schedule == "gpipe":
         return total
-    if cfg.placement == "v":
-        actions = rank_actions(cfg, rank)
-        return next((i for i, a in enumerate(actions) if a.kind != FORWARD), len(actions))
     if cfg.schedule == "zb1p":
         # Interleaved warm-up with one hop per rank (torch's InterleavedZeroBubble): the B that
         # follows is only the input gradient, so it comes back faster than a full backward.
-        warmup = cfg.pp - rank - 1 + (cfg.vp - 1) * min(cfg.group_size, cfg.microbatches)
+        warmup = cfg.pp - rank - 1 + (cfg.vp - 1) * min(cfg.group_size, cfg.num_microbatches)
     elif cfg.is_interleaved or cfg.schedule == "combined_1f1b":
         # Combined 1F1B uses the interleaved warm-up even with one chunk per rank: with plain
         # 1F1B's (pp - r - 1) + 1, every rank's FB at step k would wait for its neighbour's FB of
         # the same step and the ranks would take turns (measured in the simulator: pp=4, m=8
         # takes 51 units instead of 33). The factor 2 lets B(k) arrive one step early.
-        warmup = 2 * (cfg.pp - rank - 1) + (cfg.vp - 1) * min(cfg.group_size, cfg.microbatches)
+        warmup = 2 * (cfg.pp - rank - 1) + (cfg.vp - 1) * min(cfg.group_size, cfg.num_microbatches)
     else:
         warmup = cfg.pp - rank - 1
     if cfg.schedule == "combined_1f1b":
@@ -271,40 +264,19 @@ def warmup_count(cfg: ScheduleConfig, rank: int) -> int:
 
 def _forward_order(cfg: ScheduleConfig) -> list[tuple[int, int]]:
     if cfg.is_interleaved:
-        return interleaved_table(cfg.microbatches, cfg.vp, min(cfg.group_size, cfg.microbatches))
+        return interleaved_table(cfg.num_microbatches, cfg.vp, min(cfg.group_size, cfg.num_microbatches))
     # Chunk-major: every microbatch through chunk 0, then chunk 1, ... (vp == 1 for 1f1b).
-    return [(mb, chunk) for chunk in range(cfg.vp) for mb in range(cfg.microbatches)]
+    return [(mb, chunk) for chunk in range(cfg.vp) for mb in range(cfg.num_microbatches)]
 
 
-def _zero_bubble_actions(cfg: ScheduleConfig, rank: int) -> list[Action]:
-    if cfg.schedule == "zbv":
-        return zbv_actions(cfg.pp, rank, cfg.microbatches)
-    if cfg.schedule == "dualpipev":
-        return dualpipev_actions(cfg.pp, rank, cfg.microbatches)
-    # ZB-H1: rank r holds r weight gradients back (the paper's "W lag"), rank 0 none.
-    return zb1p_actions(_forward_order(cfg), warmup_count(cfg, rank), lag=rank)
-
-
-def rank_actions(cfg: ScheduleConfig, rank: int, forward_only: bool = False) -> list[Action]:
-    """The ordered actions of pipeline rank ``rank``.
-
-    ``forward_only`` gives the evaluation/prediction order: every forward in the schedule's
-    forward order and nothing else.
-    """
-    if not 0 <= rank < cfg.pp:
-        raise ValueError(f"rank={rank} is out of range for pp={cfg.pp}: use 0 <= rank < {cfg.pp}.")
-    if cfg.schedule in ZERO_BUBBLE_SCHEDULES:
-        actions = _zero_bubble_actions(cfg, rank)
-        if forward_only:
-            return [forward(*a.forward_part()) for a in actions if a.forward_part() is not None]
-        return actions
+def _one_f_one_b_actions(cfg: ScheduleConfig, rank: int) -> list[Action]:
+    """Warm-up forwards, then one forward and one backward (fused into ``FB`` for combined 1F1B),
+    then the remaining backwards; the backward order mirrors the forward order with the chunk
+    order reversed."""
     fwd = _forward_order(cfg)
-    if forward_only:
-        return [forward(mb, chunk) for mb, chunk in fwd]
-    # Backward order mirrors the forward order with the chunk order reversed.
     bwd = [(mb, cfg.vp - 1 - chunk) for mb, chunk in fwd]
     total = len(fwd)
-    warmup = warmup_count(cfg, rank)
+    warmup = _one_f_one_b_warmup(cfg, rank)
     actions = [forward(*fwd[k]) for k in range(warmup)]
     steady = total - warmup
     for k in range(steady):
@@ -317,6 +289,80 @@ def rank_actions(cfg: ScheduleConfig, rank: int, forward_only: bool = False) -> 
     return actions
 
 
+def _zb1p_actions(cfg: ScheduleConfig, rank: int) -> list[Action]:
+    # ZB-H1: rank r holds r weight gradients back (the paper's "W lag"), rank 0 none.
+    return zb1p_actions(_forward_order(cfg), _one_f_one_b_warmup(cfg, rank), lag=rank)
+
+
+def rank_actions(cfg: ScheduleConfig, rank: int, forward_only: bool = False) -> list[Action]:
+    """The ordered actions of pipeline rank ``rank`` (the schedule spec's table function).
+
+    ``forward_only`` gives the evaluation/prediction order: every forward in the schedule's
+    forward order and nothing else.
+    """
+    if not 0 <= rank < cfg.pp:
+        raise ValueError(f"rank={rank} is out of range for pp={cfg.pp}: use 0 <= rank < {cfg.pp}.")
+    actions = cfg.spec.actions(cfg, rank)
+    if forward_only:
+        return [forward(*a.forward_part()) for a in actions if a.forward_part() is not None]
+    return actions
+
+
 def all_rank_actions(cfg: ScheduleConfig, forward_only: bool = False) -> list[list[Action]]:
     """Action lists of every pipeline rank, index = rank."""
     return [rank_actions(cfg, rank, forward_only) for rank in range(cfg.pp)]
+
+
+# -- the built-in schedules ------------------------------------------------------------------------
+def _one_chunk(vp: int) -> Optional[str]:
+    if vp == 1:
+        return None
+    return f"1F1B runs one chunk per rank (vp=1). Use schedule='interleaved' for vp={vp}, or set vp=1."
+
+
+def _two_chunks_or_more(vp: int) -> Optional[str]:
+    if vp >= 2:
+        return None
+    return "interleaving needs at least 2 chunks per rank. Use vp=2, or schedule='1f1b' for vp=1."
+
+
+def _a_v(vp: int) -> Optional[str]:
+    if vp == 2:
+        return None
+    return (f"a V schedule runs exactly 2 chunks per rank (stages r and 2 * pp - 1 - r). Use vp=2, or "
+            f"schedule='zb1p' for vp={vp}.")
+
+
+def _fills_its_v(cfg: ScheduleConfig) -> Optional[str]:
+    if cfg.num_microbatches >= 2 * cfg.pp:
+        return None
+    return (f"num_microbatches={cfg.num_microbatches} is invalid for schedule='dualpipev' with pp={cfg.pp}: "
+            f"DualPipeV needs num_microbatches >= 2 * pp = {2 * cfg.pp} (one per virtual stage) to fill its V. "
+            f"Use num_microbatches={2 * cfg.pp}, or schedule='zbv' for fewer.")
+
+
+def _grouped_when_chunked(vp: int) -> bool:
+    return vp > 1
+
+
+for _spec in (
+    ScheduleSpec("1f1b", _one_f_one_b_actions, "1F1B: warm-up forwards, then one forward and one backward",
+                 chunks=_one_chunk, warmup=_one_f_one_b_warmup, check_tables=False),
+    ScheduleSpec("interleaved", _one_f_one_b_actions, "Megatron's interleaved 1F1B (vp >= 2)",
+                 chunks=_two_chunks_or_more, interleaved=lambda vp: True, default_vp=2, warmup=_one_f_one_b_warmup,
+                 check_tables=False),
+    ScheduleSpec("combined_1f1b", _one_f_one_b_actions,
+                 "combined 1F1B: one microbatch's forward fused with another's backward (FB)", fused=True,
+                 interleaved=_grouped_when_chunked, warmup=_one_f_one_b_warmup, check_tables=False),
+    ScheduleSpec("gpipe", _one_f_one_b_actions, "GPipe: all forwards, then all backwards", warmup=_one_f_one_b_warmup,
+                 check_tables=False),
+    ScheduleSpec("zb1p", _zb1p_actions, "ZB-H1: backward split into B and a deferred W", splits_backward=True,
+                 interleaved=_grouped_when_chunked, warmup=_one_f_one_b_warmup, check_tables=False),
+    ScheduleSpec("zbv", lambda cfg, rank: zbv_actions(cfg.pp, rank, cfg.num_microbatches),
+                 "ZB-V: zero-bubble in a V (vp = 2)", placement="v", chunks=_a_v, splits_backward=True, default_vp=2,
+                 check_tables=False),
+    ScheduleSpec("dualpipev", lambda cfg, rank: dualpipev_actions(cfg.pp, rank, cfg.num_microbatches),
+                 "DualPipeV: fused F&B in a V with split backwards (vp = 2)", placement="v", chunks=_a_v, fused=True,
+                 splits_backward=True, rule=_fills_its_v, default_vp=2, check_tables=False),
+):
+    register_schedule(_spec)

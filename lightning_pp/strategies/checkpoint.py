@@ -78,7 +78,7 @@ def _agree_on_path(path: Path) -> Path:
 
 def layout_of(executor) -> dict:
     """The layout a checkpoint is saved with (recorded in its meta, quoted when it does not fit)."""
-    topology, config = executor.topology, executor.config
+    topology, config = executor.topology, executor.schedule
     return {
         "world_size": topology.dims.world_size,
         "pipeline_parallel_size": config.pp,

@@ -5,7 +5,7 @@ building the pipeline, logging from the last stage, gradient clipping, predictio
 from __future__ import annotations
 
 import atexit
-import dataclasses
+import logging
 import sys
 from typing import Any, Optional
 
@@ -17,11 +17,13 @@ from lightning_pp.runtime.build import build_pipeline, find_executor
 from lightning_pp.runtime.cut.partition import check_protocol
 from lightning_pp.runtime.step.executor import PipelineExecutor, StepResult
 from lightning_pp.runtime.topology import build_topology
-from lightning_pp.runtime.config import PipelineConfig
+from lightning_pp.runtime.config import PipelineConfig, ResolvedPipeline
 from lightning_pp.runtime.step.grads import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.failure.guard import failure_seen_in_process
 from lightning_pp.runtime.step.microbatch import batch_size
 from lightning_pp.strategies.data import DataParallelWorld, LitdataSharding, data_parallel_world
+
+_log = logging.getLogger("lightning_pp")
 
 
 class LogRecorder:
@@ -55,21 +57,6 @@ class LogRecorder:
         out = {name: (total / weight, kwargs) for name, (total, weight, kwargs) in self.entries.items() if weight > 0}
         self.entries = {}
         return out
-
-
-#: Strategy constructor arguments whose PipelineConfig field has another name (the strategies'
-#: own ``timeout`` is the process group's, as in Lightning's DDP strategy).
-_RENAMED = {"pipeline_timeout": "timeout", "pipeline_watchdog": "watchdog"}
-
-
-def config_from_arguments(arguments: dict) -> PipelineConfig:
-    """The :class:`PipelineConfig` of a strategy's constructor arguments (pass ``locals()``):
-    every PipelineConfig field by its name, ``pipeline_timeout`` and ``pipeline_watchdog`` for
-    ``timeout`` and ``watchdog``. Every check that needs no world size runs here."""
-    fields = {f.name for f in dataclasses.fields(PipelineConfig)} - set(_RENAMED.values())
-    chosen = {name: value for name, value in arguments.items() if name in fields}
-    chosen.update({field: arguments[name] for name, field in _RENAMED.items()})
-    return PipelineConfig(**chosen)
 
 
 def _destroy_process_groups_at_exit() -> None:
@@ -107,6 +94,7 @@ class PipelineEngine:
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
+        self.resolved: Optional[ResolvedPipeline] = None
         self.executor: Optional[PipelineExecutor] = None
         self.topology = None
         self.recorder = LogRecorder()
@@ -126,12 +114,22 @@ class PipelineEngine:
             )
         return result
 
+    def resolve(self, world_size: int) -> ResolvedPipeline:
+        """The configuration for ``world_size`` ranks, resolved once (the launcher resolves it
+        before processes start; setup reuses that when the world is the same)."""
+        if self.resolved is None or self.resolved.dims.world_size != world_size:
+            self.resolved = self.config.resolve(world_size)
+        return self.resolved
+
     def setup_topology(self, device_type: str) -> None:
         if self.topology is None:
             destroy_process_groups_at_exit()
-            self.config = self.config.resolve(dist.get_world_size())  # every check that needs the world size
-            self.topology = build_topology(self.config.pipeline_parallel_size, self.config.expert_parallel_size,
-                                           device_type)
+            resolved = self.resolve(dist.get_world_size())  # every check that needs the world size
+            self.topology = build_topology(resolved.dims.pp, resolved.dims.ep, device_type)
+            _log.info("lightning_pp: schedule=%s, pipeline_parallel_size=%d, virtual_pipeline_size=%d, "
+                      "num_microbatches=%d, expert_parallel_size=%d, data-parallel replicas=%d",
+                      resolved.schedule.schedule, resolved.dims.pp, resolved.schedule.vp,
+                      resolved.schedule.num_microbatches, resolved.dims.ep, resolved.dims.dp)
 
     def setup_module(self, module: nn.Module, device: torch.device) -> PipelineExecutor:
         """Cut ``module`` for this rank (once; a module already cut is reused)."""
@@ -141,7 +139,10 @@ class PipelineEngine:
             return existing
         check_protocol(module)
         self.setup_topology(device.type)
-        executor = build_pipeline(module, device=device, topology=self.topology, config=self.config)
+        executor = build_pipeline(module, self.resolved, device=device, topology=self.topology)
+        _log.info("lightning_pp: rank %s holds layers %s (layers per virtual stage %s)", self.topology.describe(),
+                  [f"{c.first_layer}..{c.first_layer + len(c.layers) - 1}" for c in executor.partition.chunks],
+                  executor.partition.layout)
         executor.loss_fn = self._recording_loss(module)
         self.executor = executor
         return executor
@@ -163,7 +164,7 @@ class PipelineEngine:
 
     def last_stage_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's data-parallel slot."""
-        return self.topology.global_rank(self.executor.config.last_stage_rank)
+        return self.topology.global_rank(self.executor.schedule.last_stage_rank)
 
     def gather_logs(self) -> dict[str, tuple[float, dict]]:
         """The last stage's recorded logs, on every rank of the pipeline."""
@@ -223,11 +224,26 @@ def join_microbatches(outputs: list) -> Any:
 
 class PipelineStrategyMixin:
     """What the Trainer and Fabric strategies do alike. Put it before Lightning's ``DDPStrategy``
-    in the bases; the subclass sets ``self.config`` (a :class:`PipelineConfig`) and ``self.engine``
-    in its constructor."""
+    in the bases; the subclass makes ``self._engine`` (a :class:`PipelineEngine` of its
+    :class:`PipelineConfig`) in its constructor."""
 
-    config: PipelineConfig
-    engine: PipelineEngine
+    _engine: PipelineEngine
+
+    @property
+    def engine(self) -> PipelineEngine:
+        """What the Trainer and Fabric strategies share: the resolved configuration, the topology,
+        this rank's executor."""
+        return self._engine
+
+    @property
+    def config(self) -> PipelineConfig:
+        """The pipeline's options, as given to the constructor (checked there)."""
+        return self._engine.config
+
+    @property
+    def resolved(self) -> Optional[ResolvedPipeline]:
+        """The options for this job's world size (sizes and schedule), once known."""
+        return self._engine.resolved
     #: Modules left on the meta device (``configure_model``, ``init_module(empty_init=True)``) are
     #: materialised after the cut, only what each rank keeps (``lightning_pp.runtime.cut.meta``).
     materializes_meta_modules = True
@@ -235,7 +251,7 @@ class PipelineStrategyMixin:
     def _configure_launcher(self) -> None:
         # Runs in the launching process once devices and nodes are known: a configuration that
         # cannot work fails here, before processes are spawned or groups created.
-        self.config.resolve(self.num_nodes * self.num_processes)
+        self.engine.resolve(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
     @property

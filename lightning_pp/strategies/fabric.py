@@ -31,12 +31,11 @@ from lightning_pp.runtime.build import executor_of
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.cut.meta import has_meta_tensors
 from lightning_pp.strategies import checkpoint as ckpt
-from lightning_pp.runtime.config import DEFAULT_TIMEOUT
-from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin, config_from_arguments
+from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig
+from lightning_pp.runtime.cut.layout import Layout
+from lightning_pp.runtime.layer import CheckpointPolicy
+from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin
 
-ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe", "zb1p", "zbv", "dualpipev"]
-NonFinitePolicy = Literal["raise", "skip", "ignore"]
-BatchCheck = Literal["raise", "warn", "off"]
 
 
 @contextmanager
@@ -81,13 +80,13 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         expert_parallel_size: int = 1,
         virtual_pipeline_size: int = 1,
         num_microbatches: Optional[int] = None,
-        schedule: ScheduleName = "1f1b",
-        layout: Optional[Union[str, list[int]]] = None,
+        schedule: str = "1f1b",
+        layout: Layout = None,
         microbatch_group_size: Optional[int] = None,
         pipeline_timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         nonfinite: NonFinitePolicy = "raise",
         pipeline_watchdog: Union[bool, WatchdogConfig] = True,
-        activation_checkpointing: Union[bool, list[type]] = False,
+        activation_checkpointing: CheckpointPolicy = False,
         static_shapes: bool = True,
         check_batches: BatchCheck = "raise",
         broadcast_batches: bool = False,
@@ -110,8 +109,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.config = config_from_arguments(locals())  # checked here, in the constructor
-        self.engine = PipelineEngine(self.config)
+        self._engine = PipelineEngine(PipelineConfig.from_strategy_arguments(locals()))  # checked here
         self._backward_sync_control = None
 
     def setup_environment(self) -> None:

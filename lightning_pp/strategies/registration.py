@@ -14,16 +14,17 @@ import importlib.machinery
 import sys
 from typing import Any
 
-# name -> constructor arguments; every name is registered for the Trainer and for Fabric.
-REGISTERED: dict[str, dict[str, Any]] = {
-    "pp_1f1b": dict(schedule="1f1b"),
-    "pp_gpipe": dict(schedule="gpipe"),
-    "pp_interleaved": dict(schedule="interleaved", virtual_pipeline_size=2),
-    "pp_combined_1f1b": dict(schedule="combined_1f1b"),
-    "pp_zb1p": dict(schedule="zb1p"),
-    "pp_zbv": dict(schedule="zbv", virtual_pipeline_size=2),
-    "pp_dualpipev": dict(schedule="dualpipev", virtual_pipeline_size=2),
-}
+def registered() -> dict[str, dict[str, Any]]:
+    """Strategy name -> constructor arguments: ``pp_<schedule>`` for every schedule of the registry
+    (:mod:`lightning_pp.schedules.registry`), with its default chunks per rank. Every name is
+    registered for the Trainer and for Fabric."""
+    from lightning_pp.schedules import schedule_names, schedule_spec
+
+    names = {}
+    for name in schedule_names():
+        vp = schedule_spec(name).default_vp
+        names[f"pp_{name}"] = dict(schedule=name, **({"virtual_pipeline_size": vp} if vp != 1 else {}))
+    return names
 
 
 def _trainer_strategy(**kwargs: Any):
@@ -45,7 +46,7 @@ _TARGETS = {
 
 
 def register_into(registry: Any, factory: Any) -> None:
-    for name, params in REGISTERED.items():
+    for name, params in registered().items():
         if name not in registry:
             registry.register(name, factory, description=f"lightning_pp pipeline parallelism ({params['schedule']})", **params)
 

@@ -35,8 +35,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.strategies import checkpoint as ckpt
-from lightning_pp.runtime.config import DEFAULT_TIMEOUT
-from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin, config_from_arguments
+from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig
+from lightning_pp.runtime.cut.layout import Layout
+from lightning_pp.runtime.layer import CheckpointPolicy
+from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin
 from lightning_pp.strategies.loops import (
     _PipelineAutomaticOptimization,
     len_of,
@@ -44,9 +46,6 @@ from lightning_pp.strategies.loops import (
     warn_unused_step_methods,
 )
 
-ScheduleName = Literal["1f1b", "interleaved", "combined_1f1b", "gpipe", "zb1p", "zbv", "dualpipev"]
-NonFinitePolicy = Literal["raise", "skip", "ignore"]
-BatchCheck = Literal["raise", "warn", "off"]
 
 
 # ``sync_dist_group`` of the values the strategy logs that every rank already holds alike.
@@ -63,7 +62,8 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         num_microbatches: microbatches per batch; default 2 x pipeline size.
         schedule: ``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"``, ``"gpipe"``, or a zero-bubble
             schedule: ``"zb1p"`` (ZB-H1), ``"zbv"`` or ``"dualpipev"`` (these two with
-            ``virtual_pipeline_size=2``, stages in a V).
+            ``virtual_pipeline_size=2``, stages in a V); or one registered with
+            ``lightning_pp.schedules.register_schedule``.
         layout: layers per virtual stage, as a list or a Megatron-style string; default balanced.
         microbatch_group_size: interleaved grouping of microbatches; default pipeline size.
         pipeline_timeout: how long any wait of a step (a stage-boundary transfer or an in-step
@@ -99,13 +99,13 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         expert_parallel_size: int = 1,
         virtual_pipeline_size: int = 1,
         num_microbatches: Optional[int] = None,
-        schedule: ScheduleName = "1f1b",
-        layout: Optional[Union[str, list[int]]] = None,
+        schedule: str = "1f1b",
+        layout: Layout = None,
         microbatch_group_size: Optional[int] = None,
         pipeline_timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         nonfinite: NonFinitePolicy = "raise",
         pipeline_watchdog: Union[bool, WatchdogConfig] = True,
-        activation_checkpointing: Union[bool, list[type]] = False,
+        activation_checkpointing: CheckpointPolicy = False,
         static_shapes: bool = True,
         check_batches: BatchCheck = "raise",
         broadcast_batches: bool = False,
@@ -128,8 +128,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.config = config_from_arguments(locals())  # checked here, in the constructor
-        self.engine = PipelineEngine(self.config)
+        self._engine = PipelineEngine(PipelineConfig.from_strategy_arguments(locals()))  # checked here
         self._last_step_skipped = False
 
     # -- checkpoints are restored after setup, into the cut model -------------------------------

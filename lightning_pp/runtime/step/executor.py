@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_pp.runtime.config import PipelineConfig
+from lightning_pp.runtime.config import ResolvedPipeline
 from lightning_pp.runtime.failure.diagnosis import Diagnosis
 from lightning_pp.runtime.failure.board import FailureBoard, Position
 from lightning_pp.runtime.failure.errors import NonFiniteError
@@ -46,7 +46,7 @@ from lightning_pp.runtime.step.stage import StageRunner, StepState
 from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
 from lightning_pp.runtime.transport.waits import BoundedWait
-from lightning_pp.schedules import FUSED_SCHEDULES, ScheduleConfig, config_for_batch, rank_actions, split_backwards
+from lightning_pp.schedules import ScheduleConfig, config_for_batch, rank_actions, split_backwards
 from lightning_pp.schedules.messages import delivery_marks, send_order
 
 
@@ -76,7 +76,8 @@ class StepResult:
 class PipelineExecutor:
     """Executes the schedule for one rank. Holds no Lightning state; strategies wrap it.
 
-    ``settings`` (a resolved :class:`~lightning_pp.runtime.config.PipelineConfig`) decides, among
+    ``pipeline`` (a :class:`~lightning_pp.runtime.config.ResolvedPipeline`: the options, the sizes
+    and the schedule) decides, among
     the rest: ``nonfinite``, what a training step whose loss or gradients hold inf/nan does, on
     every rank alike: ``"raise"`` (:class:`NonFiniteError`), ``"skip"`` (the step's gradients are
     dropped, ``.grad`` is left as before the step, so ``optimizer.step()`` after ``zero_grad()``
@@ -85,31 +86,32 @@ class PipelineExecutor:
     all-reduce; forward-only steps without a loss add one small all-reduce), ``"raise"``
     (:class:`BatchMismatchError` on every rank), ``"warn"`` or ``"off"``; ``broadcast_batches``,
     every stage's batch replaced by pipeline rank 0's (one broadcast per step; no check needed).
-    ``config`` is the schedule (:class:`~lightning_pp.schedules.ScheduleConfig`).
+    :attr:`schedule` is the schedule (:class:`~lightning_pp.schedules.ScheduleConfig`),
+    :attr:`step_schedule` the one the last step ran (fewer microbatches for a short batch).
     """
 
-    def __init__(self, module: nn.Module, partition: Partition, topology: Topology, settings: PipelineConfig,
+    def __init__(self, module: nn.Module, partition: Partition, topology: Topology, pipeline: ResolvedPipeline,
                  device: torch.device = torch.device("cpu"), loss_fn: Optional[Callable] = None,
                  inputs_fn: Optional[Callable] = None, board: Optional[FailureBoard] = None,
                  broadcast_parameters: bool = True, record_timeline: bool = True) -> None:
-        config = settings.schedule_config
-        self.settings, self.config = settings, config
+        options, schedule = pipeline.config, pipeline.schedule
+        self.pipeline, self.schedule = pipeline, schedule
         self.module, self.partition, self.topology, self.device = module, partition, topology, device
-        self.timeout: datetime.timedelta = settings.timeout
-        self.nonfinite = settings.nonfinite
+        self.timeout: datetime.timedelta = options.timeout
+        self.nonfinite = options.nonfinite
         # Every stage of a pipeline must run the same batch: compared every step by fingerprint
         # (``check_batches``), or made so by sending pipeline rank 0's batch to the others.
-        self.broadcast_batches = settings.broadcast_batches
-        self.check_batches = "off" if settings.broadcast_batches else settings.check_batches
+        self.broadcast_batches = options.broadcast_batches
+        self.check_batches = "off" if options.broadcast_batches else options.check_batches
         # Stage-boundary shapes are a function of the microbatch shapes (true unless a layer's
         # output shape depends on the data): skip the shape header once they repeat (p2p.py).
-        self.static_shapes = settings.static_shapes
+        self.static_shapes = options.static_shapes
         self.board = board if board is not None else FailureBoard()
         self.pp_rank = topology.pp_rank
         self._plans: dict[ScheduleConfig, StepPlan] = {}
-        plan = self._plan(config)
+        plan = self._plan(schedule)
         self.actions, self.eval_actions = plan.actions, plan.eval_actions
-        self.step_config = config  # the configuration the last step ran (fewer microbatches for a short batch)
+        self.step_schedule = schedule  # what the last step ran (fewer microbatches for a short batch)
         self._short_batch_warned = False
         self.timeline = Timeline(enabled=record_timeline, device=device)
         if device.type == "cuda":
@@ -123,25 +125,25 @@ class PipelineExecutor:
         if broadcast_parameters:
             self.grad_sync.broadcast_parameters()
         self.steps_done = 0
-        watchdog = settings.watchdog_config
+        watchdog = options.watchdog_config
         self.diagnosis = Diagnosis(self.board, topology.dims.world_size, topology.describe, watchdog,
                                    self.timeout.total_seconds())
         self.watchdog = watchdog_for(self.board, topology.rank, topology.dims.world_size, watchdog)
         self.guard = StepGuard(self.position, self.board, self.diagnosis, self.watchdog, topology.describe,
-                               config.stage_of, self.pp_rank, on_abort=self._abort)
+                               schedule.stage_of, self.pp_rank, on_abort=self._abort)
         self._ref = weakref.ref(self)
         if self.watchdog is not None:
             self.watchdog.watch(self)
         # Schedules with FB actions (combined 1F1B, DualPipeV) run chunks through their schedule plans
         # (runtime/plan.py, runtime/nodes.py) so that an FB overlaps one microbatch's forward with
         # another's backward.
-        self.stage = StageRunner(partition, self.p2p, config, self.pp_rank, self.rng, self.timeline,
-                                 self.wait_collective, topology.describe, config.schedule in FUSED_SCHEDULES,
+        self.stage = StageRunner(partition, self.p2p, schedule, self.pp_rank, self.rng, self.timeline,
+                                 self.wait_collective, topology.describe, schedule.spec.fused,
                                  loss_fn or module.pipeline_loss,
                                  inputs_fn or getattr(module, "pipeline_inputs", None) or default_pipeline_inputs,
                                  # the pipeline's place for what a predict_step would do (argmax, decoding)
                                  getattr(module, "pipeline_predict", None))
-        self.step_end = StepEnd(config, topology, device)
+        self.step_end = StepEnd(schedule, topology, device)
         layer_modules = [sub for chunk in partition.chunks for layer in chunk.layers for sub in layer.modules()]
         self._step_hooks = [sub.pipeline_step_end for sub in layer_modules if isinstance(sub, StepObserver)]
         self._holders = [sub for sub in layer_modules if isinstance(sub, HoldsResources)]
@@ -188,13 +190,13 @@ class PipelineExecutor:
     def _plan_for_batch(self, batch: Any) -> StepPlan:
         size = batch_size(batch)
         if size is None:
-            split_microbatches(batch, self.config.microbatches)  # raises: no batch dimension
-        config = config_for_batch(self.config, size)
-        if config is not self.config and not self._short_batch_warned:
+            split_microbatches(batch, self.schedule.num_microbatches)  # raises: no batch dimension
+        config = config_for_batch(self.schedule, size)
+        if config is not self.schedule and not self._short_batch_warned:
             self._short_batch_warned = True
             warnings.warn(
                 f"lightning_pp: a batch of {size} samples is smaller than num_microbatches="
-                f"{self.config.microbatches}; it runs as {config.microbatches} microbatches "
+                f"{self.schedule.num_microbatches}; it runs as {config.num_microbatches} microbatches "
                 f"(schedule={config.schedule!r}). Its gradients are exact; only the bubble is larger. This is "
                 f"normal for the last batch of an epoch (drop_last=False); for every batch, use a batch size "
                 f">= num_microbatches. (Shown once.)", stacklevel=4)
@@ -254,15 +256,15 @@ class PipelineExecutor:
 
     def _step(self, batch: Any, train: bool, compute_loss: bool = True, collect: bool = False,
               grad_scale: float = 1.0) -> StepResult:
-        pp = self.config.pp
+        pp = self.schedule.pp
         if train:
             self.grad_sync.check_parameters()  # replaced after setup: raise before any work
         if self.broadcast_batches and pp > 1:
             batch = broadcast_batch(batch, self.topology.global_rank(0), self.topology.pp_group, self.device)
         fingerprint = batch_fingerprint(batch, self.device) if self.check_batches != "off" and pp > 1 else None
         plan = self._plan_for_batch(batch)
-        self.step_config = plan.config
-        microbatches = split_microbatches(batch, plan.config.microbatches)
+        self.step_schedule = plan.config
+        microbatches = split_microbatches(batch, plan.config.num_microbatches)
         self.p2p.begin_step(_shapes_key(microbatches) if self.static_shapes else None, mode=not train,
                             marks=plan.marks.get(not train))
         for src, order in plan.expected[not train].items():
