@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from lightning_pp.runtime.plans.plan import register_persistent
+from lightning_pp.runtime.plans.plan import register_persistent, unregister_persistent
 
 
 def symmetric_memory_available(device: torch.device) -> bool:
@@ -57,7 +57,9 @@ class BufferStats:
 
 
 class StagingPool:
-    """Slots of (forward receive buffer, backward staging buffer) for one MoE layer."""
+    """Slots of persistent buffers for one MoE layer, three per in-flight microbatch: the dispatch's
+    forward receive buffer (``"fwd"``), the combine's send buffer the experts write into (``"cmb"``)
+    and the dispatch-backward staging buffer (``"bwd"``)."""
 
     def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device, group=None,
                  capacity_rows: Optional[int] = None, headroom: float = 1.25) -> None:
@@ -106,6 +108,8 @@ class StagingPool:
         bufs = self.slots[slot]
         for kind in ("fwd", "cmb", "bwd"):
             if kind not in bufs or bufs[kind].shape[0] < rows:
+                if kind in bufs:
+                    unregister_persistent(bufs[kind])  # replaced by a larger one
                 bufs[kind] = self._allocate(self._rows_for(rows))
         return slot
 
@@ -137,6 +141,9 @@ class StagingPool:
 
     def reset(self) -> None:
         """Drop every buffer (collectively, at teardown: symmetric buffers are shared)."""
+        for bufs in self.slots:
+            for buf in bufs.values():
+                unregister_persistent(buf)
         self.slots, self.free = [], []
 
 

@@ -22,6 +22,7 @@ from lightning_pp.runtime.step.grads import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.failure.guard import failure_seen_in_process
 from lightning_pp.runtime.step.microbatch import batch_size
 from lightning_pp.strategies.data import DataParallelWorld, LitdataSharding, data_parallel_world
+from lightning_pp.runtime.process import state
 
 _log = logging.getLogger("lightning_pp")
 
@@ -76,17 +77,14 @@ def _destroy_process_groups_at_exit() -> None:
     _destroy_dist_connection()  # Lightning's own (Ctrl+C cannot interrupt it), which it registers for NCCL
 
 
-_exit_handler_registered = False
-
-
 def destroy_process_groups_at_exit() -> None:
     """Register :func:`_destroy_process_groups_at_exit` once per process. Registered when the
     strategy makes its groups, before the runtime's watchdog starts, so it runs after the
     watchdog's own exit handler (handlers run in reverse order)."""
-    global _exit_handler_registered
-    if not _exit_handler_registered:
+    process = state()
+    if not process.exit_handler_registered:
         atexit.register(_destroy_process_groups_at_exit)
-        _exit_handler_registered = True
+        process.exit_handler_registered = True
 
 
 class PipelineEngine:

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning_pp.runtime.process import state
 
 
 class _PipelineAutomaticOptimization(_AutomaticOptimization):
@@ -61,7 +62,6 @@ _STEP_ADVICE = {
     "predict_step": "predictions are the last layer's outputs; post-process them (argmax, decoding) in "
                     "pipeline_predict(self, output, batch), which the last stage calls for every microbatch",
 }
-_warned_step_methods: set = set()
 
 
 def warn_unused_step_methods(module: Any, fn: Any) -> None:
@@ -74,9 +74,9 @@ def warn_unused_step_methods(module: Any, fn: Any) -> None:
         if name == "training_step" and not module.automatic_optimization:
             continue  # manual optimization: training_step is called (it calls pipeline_step)
         own = getattr(type(module), name, None)
-        if own is None or own is getattr(LightningModule, name) or (type(module), name) in _warned_step_methods:
+        if own is None or own is getattr(LightningModule, name) or (type(module), name) in state().warned_step_methods:
             continue
-        _warned_step_methods.add((type(module), name))
+        state().warned_step_methods.add((type(module), name))
         rank_zero_warn(
             f"{type(module).__name__}.{name} is not called under pipeline parallelism (lightning_pp): the "
             f"pipeline runs the model's layers itself, stage by stage, so anything else it does (logging, "

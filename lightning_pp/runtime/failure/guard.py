@@ -17,15 +17,13 @@ from lightning_pp.runtime.failure.board import FailureBoard, Position
 from lightning_pp.runtime.failure.errors import PipelineCommError, PipelineError, add_note, classify
 from lightning_pp.runtime.failure.outside_step import is_comm_error
 from lightning_pp.runtime.failure.watchdog import process_watchdog
-
-_failed_steps = 0  # pipeline steps that failed in this process (any executor)
-
+from lightning_pp.runtime.process import state
 
 def failure_seen_in_process() -> bool:
     """Whether a pipeline step failed in this process, or its watchdog last saw a failure on the
     job's board: a peer may then still be inside a collective with this process."""
     watchdog = process_watchdog()
-    return _failed_steps > 0 or (watchdog is not None and watchdog.failure is not None)
+    return state().failed_steps > 0 or (watchdog is not None and watchdog.failure is not None)
 
 
 class StepGuard:
@@ -80,8 +78,7 @@ class StepGuard:
                 f"virtual stage {stage})")
 
     def _on_failure(self, exc: BaseException) -> None:
-        global _failed_steps
-        _failed_steps += 1
+        state().failed_steps += 1
         where = self.where()
         self.position.failed = True  # published as "failed": peers diagnosing a stall skip this rank
         self.on_abort()

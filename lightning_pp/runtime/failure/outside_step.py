@@ -26,6 +26,7 @@ from lightning_pp.runtime.failure.board import FAILURE_KEY, STORE_GONE, FailureB
 from lightning_pp.runtime.failure.diagnosis import Diagnosis
 from lightning_pp.runtime.failure.errors import NonFiniteError, PipelineCommError, PipelineError, add_note, classify
 from lightning_pp.runtime.failure.watchdog import Watchdog, current_watchdog
+from lightning_pp.runtime.process import state
 
 EXECUTOR_NOTE = "lightning_pp: the pipeline step failed on "  # the note PipelineExecutor adds
 
@@ -208,10 +209,6 @@ def _comm_origin(exc: BaseException, board: FailureBoard, me: str, diagnosis: Op
     return origin
 
 
-_excepthook_context: Optional[Callable[[], Optional[tuple]]] = None
-_excepthook_installed = False
-
-
 def install_excepthook(context: Callable[[], Optional[tuple]]) -> None:
     """Make ``sys.excepthook`` call :func:`explain_exception` for an uncaught exception, then the
     previous hook (which prints it, with the notes). Installed once per process; a later call only
@@ -220,16 +217,17 @@ def install_excepthook(context: Callable[[], Optional[tuple]]) -> None:
     (Fabric, plain loops). It sees only exceptions that end the program: one the user catches is
     the user's to report, and one raised in a process started by ``multiprocessing`` is printed by
     ``multiprocessing`` without calling the hook."""
-    global _excepthook_context, _excepthook_installed
-    _excepthook_context = context
-    if _excepthook_installed:
+    process = state()
+    process.excepthook_context = context
+    if process.excepthook_installed:
         return
-    _excepthook_installed = True
+    process.excepthook_installed = True
     previous = sys.excepthook
 
     def excepthook(exc_type, exc, tb):
         try:
-            found = _excepthook_context() if _excepthook_context is not None else None
+            asked = state().excepthook_context
+            found = asked() if asked is not None else None
             if found is not None and isinstance(exc, BaseException):
                 board, me, diagnosis, label_frame = found
                 explain_exception(exc, board, me, where=locate(exc, label_frame), diagnosis=diagnosis)

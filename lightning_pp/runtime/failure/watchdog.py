@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_pp.runtime.failure.board import STORE_GONE, FailureBoard
+from lightning_pp.runtime.process import state
 
 WATCHDOG_EXIT_CODE = 70  # EX_SOFTWARE: the watchdog ended a rank that could not raise
 
@@ -264,34 +265,30 @@ def _hosts_store(store) -> bool:
     return type(inner).__name__ == "TCPStore"
 
 
-_process_watchdog: Optional[Watchdog] = None
-_process_watchdog_lock = threading.Lock()
-
-
 def watchdog_for(board: FailureBoard, rank: int, world_size: int, config: WatchdogConfig) -> Optional[Watchdog]:
     """This process's watchdog for ``board``'s store (started on first use; restarted if it stopped
     or the job's store changed, e.g. after a new ``init_process_group``). ``None`` when disabled
     or without a store."""
-    global _process_watchdog
     if not config.enabled or board.store is None:
         return None
-    with _process_watchdog_lock:
-        current = _process_watchdog
+    process = state()
+    with process.watchdog_lock:
+        current = process.watchdog
         if current is not None and current.running and current.board.store is board.store and current.rank == rank:
             current.config = config
             return current
         if current is not None:
             current.leave()
-        _process_watchdog = Watchdog(board, rank, world_size, config)
-        return _process_watchdog
+        process.watchdog = Watchdog(board, rank, world_size, config)
+        return process.watchdog
 
 
 def process_watchdog() -> Optional[Watchdog]:
     """This process's watchdog, running or stopped (what it last saw stays readable), or ``None``."""
-    return _process_watchdog
+    return state().watchdog
 
 
 def current_watchdog() -> Optional[Watchdog]:
     """This process's watchdog, if it is running."""
-    watchdog = _process_watchdog
+    watchdog = state().watchdog
     return watchdog if watchdog is not None and watchdog.running else None

@@ -1,9 +1,12 @@
-"""What layers may ask the executor about the microbatch being run.
+"""What layers may ask the executor about the microbatch being run: the one channel from the
+executor to the layers it runs.
 
-Set by the executor around each forward; read by layers that need it (MoE auxiliary losses scale
-their gradient by the microbatch's sample count, because the pipeline normalises every loss by the
-global count after the step; all-to-all waits are recorded on the step's timeline). Outside a
-pipelined step the defaults describe plain single-process training.
+Set by the executor around each action; read by layers and schedule-plan nodes that need it (MoE
+auxiliary losses scale their gradient by the microbatch's sample count, because the pipeline
+normalises every loss by the global count after the step; all-to-all waits are recorded on the
+step's timeline and bounded by the step's wait; a zero-bubble B tells its compute nodes where to
+leave their weight gradients). Outside a pipelined step the defaults describe plain
+single-process training.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ class MicrobatchContext:
     # ``wait(work, what)``: waits for an in-step collective with the pipeline's timeout, turning a
     # failure into an error that names the rank that failed first (None: a plain ``work.wait()``).
     wait: Optional[Callable[[Any, str], None]] = None
+    # A zero-bubble B run through a schedule plan: where its compute nodes leave their weight
+    # gradients for the W (a ``weight_grad.DeferredWeights``); ``None``: whole backwards.
+    deferred_weights: Optional[Any] = None
 
 
 # A module global, not a ContextVar, on purpose: on CUDA the autograd engine runs backward on its
@@ -36,10 +42,12 @@ def current() -> MicrobatchContext:
 
 
 @contextmanager
-def microbatch_context(loss_weight: float, microbatch: int, chunk: int, timeline=None, wait=None) -> Iterator[None]:
+def microbatch_context(loss_weight: float, microbatch: int, chunk: int, timeline=None, wait=None,
+                       deferred_weights=None) -> Iterator[None]:
+    """What layers see while the executor runs one action of (``microbatch``, ``chunk``)."""
     global _current
     previous = _current
-    _current = MicrobatchContext(loss_weight, microbatch, chunk, timeline, wait)
+    _current = MicrobatchContext(loss_weight, microbatch, chunk, timeline, wait, deferred_weights)
     try:
         yield
     finally:

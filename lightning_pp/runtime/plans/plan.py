@@ -34,6 +34,7 @@ import torch.distributed as dist
 from lightning_pp.runtime.plans import context
 from lightning_pp.runtime.transport.waits import wait_for
 from lightning_pp.runtime.plans.weight_grad import deferred_weights, engine_backward
+from lightning_pp.runtime.process import state
 
 Tensors = tuple
 
@@ -58,23 +59,27 @@ class Streams:
         return torch.cuda.current_stream() if self.comm is not None else None
 
 
-_streams = Streams()
+def _streams() -> Streams:
+    process = state()  # the streams are the process's (lightning_pp.runtime.process)
+    if process.streams is None:
+        process.streams = Streams()
+    return process.streams
 
 
 def set_streams(comm_stream=None, high_priority: bool = False) -> None:
     """Create (once) the process's communication stream, at the highest priority if asked, or use
     ``comm_stream``. A no-op without CUDA."""
-    _streams.set(comm_stream, high_priority)
+    _streams().set(comm_stream, high_priority)
 
 
 def get_comp_stream():
     """The compute stream: CUDA's current stream; ``None`` on CPU (the calling thread)."""
-    return _streams.comp()
+    return _streams().comp()
 
 
 def get_comm_stream():
     """The communication stream; ``None`` on CPU (collectives are asynchronous gloo work)."""
-    return _streams.comm
+    return _streams().comm
 
 
 def _stream_context(stream):
@@ -187,7 +192,7 @@ class ScheduleNode:
         for t in inputs:
             if not isinstance(t, torch.Tensor) or t.requires_grad:
                 continue
-            if self.ncclep_zero_copy and t.untyped_storage().data_ptr() in _persistent:
+            if self.ncclep_zero_copy and t.untyped_storage().data_ptr() in state().persistent_storages:
                 continue
             stream = self._stream()
             if stream is not None:
@@ -231,12 +236,15 @@ class ScheduleNode:
         return self.input_grads
 
 
-_persistent: set[int] = set()  # storages of persistent staging buffers (never released by free_input)
-
-
 def register_persistent(buffer: torch.Tensor) -> None:
-    """Mark ``buffer``'s storage as a persistent staging buffer (registered with a transport)."""
-    _persistent.add(buffer.untyped_storage().data_ptr())
+    """Mark ``buffer``'s storage as a persistent staging buffer (registered with a transport): a
+    node's ``free_input`` never releases it. Unregister it when the buffer is dropped."""
+    state().persistent_storages.add(buffer.untyped_storage().data_ptr())
+
+
+def unregister_persistent(buffer: torch.Tensor) -> None:
+    """Forget ``buffer`` (dropped or replaced): its address may be reused by an ordinary tensor."""
+    state().persistent_storages.discard(buffer.untyped_storage().data_ptr())
 
 
 class NoopScheduleNode(ScheduleNode):
@@ -396,5 +404,5 @@ __all__ = [
     "AbstractSchedulePlan", "NoopScheduleNode", "PlanEvent", "ScheduleNode", "StageDispatchBwdGrad", "Streams",
     "get_comm_stream", "get_comp_stream", "get_pp_first_rank", "get_pp_last_rank", "get_pp_next_rank",
     "get_pp_prev_rank", "is_pp_first_stage", "is_pp_last_stage", "is_vp_first_stage", "is_vp_last_stage",
-    "make_viewless", "register_persistent", "set_streams",
+    "make_viewless", "register_persistent", "set_streams", "unregister_persistent",
 ]

@@ -21,9 +21,10 @@ Details that keep it exact:
 * A stage whose inputs need no gradient (the first stage) has no input path: ``B`` does nothing
   and ``W`` is the whole backward.
 * A chunk run through a schedule plan (combined steps, DualPipeV with MoE layers) is a chain of
-  nodes, each its own autograd segment: while its backward runs under :func:`deferring`, every
-  compute node splits its own segment the same way (:class:`DeferredWeights`), and the ``W``
-  runs the nodes' weight halves in the order their backwards ran.
+  nodes, each its own autograd segment: while its backward runs with the microbatch context's
+  ``deferred_weights`` set, every compute node splits its own segment the same way
+  (:class:`DeferredWeights`), and the ``W`` runs the nodes' weight halves in the order their
+  backwards ran.
 * Activation-checkpointed layers recompute their forward once per autograd call that needs it, so
   with (non-reentrant) checkpointing a ``W`` reaching into such a layer recomputes it again
   (exact, slower). Reentrant checkpointing (``use_reentrant=True``) refuses an autograd call that
@@ -33,11 +34,12 @@ Details that keep it exact:
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from lightning_pp.runtime.plans import context
 
 
 _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentrant=True)
@@ -187,24 +189,10 @@ class DeferredWeights:
             part.run()
 
 
-_deferring: Optional[DeferredWeights] = None
-
-
-@contextmanager
-def deferring(weights: Optional[DeferredWeights]) -> Iterator[None]:
-    """While active, schedule-plan compute nodes leave their weight gradients to ``weights``
-    (``None``: run whole backwards, as outside)."""
-    global _deferring
-    previous, _deferring = _deferring, weights
-    try:
-        yield
-    finally:
-        _deferring = previous
-
-
 def deferred_weights() -> Optional[DeferredWeights]:
-    """Where plan nodes leave their weight halves now, or ``None`` (whole backwards)."""
-    return _deferring
+    """Where plan nodes leave their weight halves now (the microbatch context's, set by the
+    executor for a split backward), or ``None`` (whole backwards)."""
+    return context.current().deferred_weights
 
 
 def _param_groups(params: list, parents: dict[Node, list[Node]], input_path: set) -> list:

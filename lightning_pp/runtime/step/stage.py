@@ -25,7 +25,7 @@ from lightning_pp.runtime.transport.p2p import PointToPoint
 from lightning_pp.runtime.cut.partition import Partition
 from lightning_pp.runtime.step.rng import StageRNG
 from lightning_pp.runtime.timeline import Timeline
-from lightning_pp.runtime.plans.weight_grad import DeferredWeights, deferring, engine_backward
+from lightning_pp.runtime.plans.weight_grad import DeferredWeights, engine_backward
 from lightning_pp.schedules import ScheduleConfig
 from lightning_pp.schedules.messages import Message
 
@@ -95,7 +95,7 @@ class StageRunner:
     def backward(self, state: StepState, microbatch: int, chunk_id: int) -> None:
         weights = self._deferred_weights(state, microbatch, chunk_id)
         if state.saved[(microbatch, chunk_id)].plan is not None:
-            with self._context(state, microbatch, chunk_id), deferring(weights):
+            with self._context(state, microbatch, chunk_id, deferred=weights):
                 plan, hooks = self._backward_plan(state, microbatch, chunk_id)
                 type(plan).run(None, plan, **hooks)
             return
@@ -132,7 +132,7 @@ class StageRunner:
             self.backward(state, *b)
             return
         # Backward nodes draw no random numbers; only b's nodes run backwards, so only they defer.
-        with self._context(state, *f), self.rng.stream(f[1]), deferring(self._deferred_weights(state, *b)):
+        with self._context(state, *f, deferred=self._deferred_weights(state, *b)), self.rng.stream(f[1]):
             f_plan, f_hooks = self._forward_plan(state, *f)
             b_plan, b_hooks = self._backward_plan(state, *b)
             if type(f_plan) is type(b_plan):  # the plan class fuses them, the hooks carry the transfers
@@ -208,9 +208,9 @@ class StageRunner:
         received, as_tuple = self._receive(state, stage - 1, Message("F", microbatch, stage))
         return received, (received if as_tuple else received[0])
 
-    def _context(self, state: StepState, microbatch: int, chunk_id: int):
+    def _context(self, state: StepState, microbatch: int, chunk_id: int, deferred: Optional[DeferredWeights] = None):
         samples = batch_size(state.microbatches[microbatch]) or 1
-        return microbatch_context(float(samples), microbatch, chunk_id, self.timeline, self.wait)
+        return microbatch_context(float(samples), microbatch, chunk_id, self.timeline, self.wait, deferred)
 
     # -- the two halves of a forward and of a backward ------------------------------------------
     def _finish_forward(self, state: StepState, microbatch: int, chunk_id: int, received: tuple, output: Any,
