@@ -76,27 +76,27 @@ class PipelineStats:
     """What :func:`analyze` found for one step. Times are in seconds; lists follow ``ranks``."""
 
     config: ScheduleConfig
-    ranks: list
-    pp_ranks: list
+    ranks: list[int]
+    pp_ranks: list[int]
     alignment: str
-    offsets: list  # seconds added to each rank's span times to reach the common axis
-    window: tuple  # (start, end) of the compute window on the common axis
-    busy: list
-    recv_wait: list  # exposed stage-boundary waits inside compute actions, per rank
-    rank_bubble: list
+    offsets: list[float]  # seconds added to each rank's span times to reach the common axis
+    window: tuple[float, float]  # (start, end) of the compute window on the common axis
+    busy: list[float]
+    recv_wait: list[float]  # exposed stage-boundary waits inside compute actions, per rank
+    rank_bubble: list[float]
     bubble_fraction: float
-    costs: dict  # compute kind -> mean busy seconds of one action
-    counts: dict  # compute kind -> number of actions (all ranks)
-    optimizer: list  # optimizer-step seconds per rank (0 when not recorded)
+    costs: dict[str, float]  # compute kind -> mean busy seconds of one action
+    counts: dict[str, int]  # compute kind -> number of actions (all ranks)
+    optimizer: list[float]  # optimizer-step seconds per rank (0 when not recorded)
     a2a_exposed: float
     a2a_total: float
     a2a_hidden: Optional[float]
     ideal: SimulationResult
-    compute_costs: dict = field(default_factory=dict)  # kind -> mean busy seconds less all-to-all waits
-    a2a_costs: dict = field(default_factory=dict)  # kind -> mean all-to-all wait seconds inside one action
-    stage_costs: tuple = ()  # StageCost per virtual stage: mean F / B / W compute seconds
+    compute_costs: dict[str, float] = field(default_factory=dict)  # kind -> mean busy seconds less all-to-all waits
+    a2a_costs: dict[str, float] = field(default_factory=dict)  # kind -> mean all-to-all wait seconds inside one action
+    stage_costs: tuple[StageCost, ...] = ()  # StageCost per virtual stage: mean F / B / W compute seconds
     ideal_per_stage: Optional[SimulationResult] = None  # the ideal with each stage's own prices
-    extra: list = field(default_factory=list)  # each record's ``extra``
+    extra: list[dict] = field(default_factory=list)  # each record's ``extra``
 
     @property
     def step_time(self) -> float:

@@ -23,19 +23,8 @@ from lightning_pp.callbacks.analysis import PipelineStats, analyze
 from lightning_pp.callbacks.export import export_png, export_trace, step_file_names
 from lightning_pp.callbacks.records import RankTimeline, gather_spans
 from lightning_pp.runtime.build import find_executor
-from lightning_pp.runtime.step.microbatch import batch_size
+from lightning_pp.runtime.step.microbatch import batch_size, first_tensor
 from lightning_pp.runtime.timeline import SpanKind
-
-
-def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return batch
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
-    for item in items:
-        found = _first_tensor(item)
-        if found is not None:
-            return found
-    return None
 
 
 class PipelineMonitor(Callback):
@@ -153,7 +142,7 @@ class PipelineMonitor(Callback):
         elif self.tokens_per_sample is not None:
             self._tokens += samples * self.tokens_per_sample
         else:
-            ids = _first_tensor(batch)
+            ids = first_tensor(batch)
             if ids is not None and ids.dim() >= 2 and not ids.dtype.is_floating_point and not ids.dtype.is_complex \
                     and ids.dtype != torch.bool:
                 self._tokens += ids.numel()

@@ -31,6 +31,7 @@ with asynchronous all-to-all, used by combined 1F1B).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -52,6 +53,24 @@ class MoERouting(NamedTuple):
     tokens: torch.Tensor  # [T, C] the rows to route
     probs: torch.Tensor  # [T, k] the weight of each chosen expert's output
     indices: torch.Tensor  # [T, k] the chosen experts
+
+
+@dataclass
+class DispatchState:
+    """What one microbatch's pass through the layer carries from slot to slot (routing, the
+    all-to-all splits, the staging slot), made by ``_route`` and read by the later slots."""
+
+    num_tokens: int = 0  # tokens routed
+    token_of: Optional[torch.Tensor] = None  # [rows] the token each expert-ordered row belongs to
+    counts: Optional[torch.Tensor] = None  # [num_experts] rows this rank sends to each expert
+    capacity: Optional[int] = None  # rows per expert and rank (None: dropless)
+    counts_exchange: Optional[tuple] = None  # (received counts, work) while the exchange is in flight
+    send_splits: list = field(default_factory=list)  # rows sent to each expert-parallel rank
+    recv_splits: list = field(default_factory=list)  # rows received from each
+    expert_major: Optional[torch.Tensor] = None  # source-major row of each expert-major row
+    expert_counts: list = field(default_factory=list)  # rows each local expert gets
+    slot: Optional[int] = None  # the staging pool's slot (None without staging)
+    event: Optional[PlanEvent] = None  # the microbatch's event (fine-grained execution)
 
 
 def mark_expert_parameters(module: nn.Module) -> None:
@@ -182,7 +201,7 @@ class ExpertParallelMoE(nn.Module):
         return max(1, math.ceil(tokens * self.top_k / self.num_experts * self.capacity_factor))
 
     # -- slot functions (shared by both execution modes) -------------------------------------
-    def _route(self, state: dict, *inputs: Any) -> tuple:
+    def _route(self, state: DispatchState, *inputs: Any) -> tuple:
         """``moe_pre``, then the rows in expert order; returns ``(*carry, rows, their probs)``."""
         carry, tokens, probs, indices = self.moe_pre(*inputs)
         flat_expert = indices.reshape(-1)
@@ -196,28 +215,28 @@ class ExpertParallelMoE(nn.Module):
             order = order[position < capacity]
         token_of = order // self.top_k
         counts = torch.bincount(flat_expert[order], minlength=self.num_experts)
-        state.update(num_tokens=tokens.shape[0], token_of=token_of, counts=counts, capacity=capacity)
+        state.num_tokens, state.token_of, state.counts, state.capacity = tokens.shape[0], token_of, counts, capacity
         self._launch_counts(state)  # travels while the tokens are gathered
         return (*carry, tokens[token_of], probs.reshape(-1)[order])
 
-    def _launch_counts(self, state: dict) -> None:
+    def _launch_counts(self, state: DispatchState) -> None:
         """Start the exchange of per-expert token counts (how many rows each rank will send)."""
-        counts = state["counts"]
+        counts = state.counts
         if self.ep_size > 1:
             recv = torch.empty_like(counts)
             # A few bytes: the emulated link's delay (which stands for moving the tokens) is not added.
-            state["counts_exchange"] = (recv, self._a2a(recv, counts, None, None, emulate_link=False))
+            state.counts_exchange = (recv, self._a2a(recv, counts, None, None, emulate_link=False))
         else:
-            state["counts_exchange"] = (counts, None)
+            state.counts_exchange = (counts, None)
 
-    def _exchange_counts(self, state: dict) -> None:
+    def _exchange_counts(self, state: DispatchState) -> None:
         """Finish the counts exchange and derive the all-to-all splits and the expert-major order."""
-        recv, work = state.pop("counts_exchange")
+        (recv, work), state.counts_exchange = state.counts_exchange, None
         _timed_wait(work)
         local = self.num_local_experts
         recv = recv.view(self.ep_size, local)
-        state["send_splits"] = state["counts"].view(self.ep_size, local).sum(1).tolist()
-        state["recv_splits"] = recv.sum(1).tolist()
+        state.send_splits = state.counts.view(self.ep_size, local).sum(1).tolist()
+        state.recv_splits = recv.sum(1).tolist()
         # Received rows are grouped by source rank, then by local expert; the experts want them
         # grouped by expert. expert_major[i] = source-major row index of expert-major row i:
         # block (src, e) starts at source-major row src_start[src, e]; walking the blocks in
@@ -226,8 +245,8 @@ class ExpertParallelMoE(nn.Module):
         lengths = recv.t().reshape(-1)
         em_start = torch.cumsum(lengths, 0) - lengths
         shift = torch.repeat_interleave(src_start.t().reshape(-1) - em_start, lengths)
-        state["expert_major"] = torch.arange(shift.numel(), device=recv.device) + shift
-        state["expert_counts"] = recv.sum(0).tolist()
+        state.expert_major = torch.arange(shift.numel(), device=recv.device) + shift
+        state.expert_counts = recv.sum(0).tolist()
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, emulate_link: bool = True):
         """All-to-all of rows; returns an async work handle (None if nothing to wait for), which
@@ -244,13 +263,13 @@ class ExpertParallelMoE(nn.Module):
             return None
         return LaunchedWork(work, launched, delay, on_cpu=out.device.type == "cpu")
 
-    def _dispatch(self, state: dict, permuted: torch.Tensor):
+    def _dispatch(self, state: DispatchState, permuted: torch.Tensor):
         self._exchange_counts(state)
-        rows = sum(state["recv_splits"])
+        rows = sum(state.recv_splits)
         if self.use_staging and self.pool is None:
             # Fixed staging size with a capacity: every source sends at most `capacity` rows per
             # local expert. Dropless: grown to the high-water mark.
-            capacity = state["capacity"]
+            capacity = state.capacity
             fixed = capacity * self.num_local_experts * self.ep_size if capacity is not None else None
             self.pool = StagingPool(permuted.shape[1], permuted.dtype, permuted.device, self.ep_group,
                                     capacity_rows=fixed)
@@ -259,29 +278,29 @@ class ExpertParallelMoE(nn.Module):
             out = self.pool.forward_buffer(slot, rows)
         else:
             slot, out = None, permuted.new_empty((rows, permuted.shape[1]))
-        state["slot"] = slot
-        work = self._a2a(out, permuted.detach().contiguous(), state["recv_splits"], state["send_splits"])
+        state.slot = slot
+        work = self._a2a(out, permuted.detach().contiguous(), state.recv_splits, state.send_splits)
         return out, work
 
-    def _dispatch_backward(self, state: dict, grad: torch.Tensor):
+    def _dispatch_backward(self, state: DispatchState, grad: torch.Tensor):
         # With staging, ``grad`` is already the slot's persistent backward buffer: the experts'
         # input passed through StageDispatchBwdGrad (see _experts).
-        slot = state["slot"]
-        out = grad.new_empty((sum(state["send_splits"]), grad.shape[1]))
-        work = self._a2a(out, grad.contiguous(), state["send_splits"], state["recv_splits"])
+        slot = state.slot
+        out = grad.new_empty((sum(state.send_splits), grad.shape[1]))
+        work = self._a2a(out, grad.contiguous(), state.send_splits, state.recv_splits)
         return out, _ReleaseOnWait(work, self.pool, slot)
 
-    def _experts(self, state: dict, received: torch.Tensor) -> torch.Tensor:
-        slot = state.get("slot")
+    def _experts(self, state: DispatchState, received: torch.Tensor) -> torch.Tensor:
+        slot = state.slot
         if self.pool is not None and slot is not None and received.requires_grad:
             pool = self.pool
             received = StageDispatchBwdGrad.apply(received, lambda grad: stage_dispatch_bwd_grad(pool, slot, grad))
-        index = state["expert_major"]
+        index = state.expert_major
         grouped = received[index]
         experts = self.expert_list()
         outputs, start = [], 0
         first = self.ep_rank * self.num_local_experts
-        for e, count in enumerate(state["expert_counts"]):
+        for e, count in enumerate(state.expert_counts):
             outputs.append(experts[first + e](grouped[start:start + count]))
             start += count
         if self.pool is not None and slot is not None and all(o.dtype == self.pool.dtype for o in outputs):
@@ -291,35 +310,35 @@ class ExpertParallelMoE(nn.Module):
         expert_out = torch.cat(outputs) if outputs else grouped
         return torch.empty_like(expert_out).index_copy(0, index, expert_out)
 
-    def _combine(self, state: dict, expert_out: torch.Tensor):
-        out = expert_out.new_empty((sum(state["send_splits"]), expert_out.shape[1]))
+    def _combine(self, state: DispatchState, expert_out: torch.Tensor):
+        out = expert_out.new_empty((sum(state.send_splits), expert_out.shape[1]))
         send = expert_out.detach().contiguous()
         if self.pool is not None and self.pool.owns(send):
             self.pool.stats.zero_copy_bytes += send.numel() * send.element_size()
-        work = self._a2a(out, send, state["send_splits"], state["recv_splits"])
+        work = self._a2a(out, send, state.send_splits, state.recv_splits)
         return out, work
 
-    def _combine_backward(self, state: dict, grad: torch.Tensor):
-        out = grad.new_empty((sum(state["recv_splits"]), grad.shape[1]))
-        work = self._a2a(out, grad.contiguous(), state["recv_splits"], state["send_splits"])
+    def _combine_backward(self, state: DispatchState, grad: torch.Tensor):
+        out = grad.new_empty((sum(state.recv_splits), grad.shape[1]))
+        work = self._a2a(out, grad.contiguous(), state.recv_splits, state.send_splits)
         return out, work
 
-    def _post(self, state: dict, carry: tuple, combined: torch.Tensor, probs: torch.Tensor):
+    def _post(self, state: DispatchState, carry: tuple, combined: torch.Tensor, probs: torch.Tensor):
         # Rows arrive in expert order, so each token sums its experts' outputs in ascending expert
         # order, starting from zeros (as a loop over the experts that adds into a zero tensor does).
         weighted = combined * probs.unsqueeze(-1).to(combined.dtype)
-        mixed = weighted.new_zeros((state["num_tokens"], combined.shape[1])).index_add(0, state["token_of"], weighted)
+        mixed = weighted.new_zeros((state.num_tokens, combined.shape[1])).index_add(0, state.token_of, weighted)
         return self.moe_post(carry, mixed)
 
     # -- plain execution ----------------------------------------------------------------------
     def forward(self, *inputs: Any) -> Any:
-        state: dict = {}
+        state = DispatchState()
         *carry, permuted, probs = self._route(state, *inputs)
         received = _Exchange.apply(permuted, self._dispatch, self._dispatch_backward, state)
         expert_out = self._experts(state, received)
         combined = _Exchange.apply(expert_out, self._combine, self._combine_backward, state)
-        if not torch.is_grad_enabled() and self.pool is not None and state.get("slot") is not None:
-            self.pool.release(state["slot"])  # no backward will come for this microbatch
+        if not torch.is_grad_enabled() and self.pool is not None and state.slot is not None:
+            self.pool.release(state.slot)  # no backward will come for this microbatch
         return self._post(state, tuple(carry), combined, probs)
 
     # -- fine-grained execution ---------------------------------------------------------------
@@ -327,7 +346,7 @@ class ExpertParallelMoE(nn.Module):
         """The five nodes of one microbatch, ordered by its ``event``. Between nodes the values
         travel as ``(*carry, rows, probs)``: the comm nodes exchange ``rows`` (or their gradient)
         and pass the others through."""
-        state: dict = {"event": event}
+        state = DispatchState(event=event)
 
         def attn(*inputs):
             return self._route(state, *inputs)
@@ -375,7 +394,7 @@ class _Exchange(torch.autograd.Function):
     execution mode; the node mode calls the same functions without waiting)."""
 
     @staticmethod
-    def forward(ctx, x, forward_fn, backward_fn, state: dict):
+    def forward(ctx, x, forward_fn, backward_fn, state: DispatchState):
         ctx.backward_fn, ctx.state = backward_fn, state
         out, work = forward_fn(state, x)
         _timed_wait(work)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from lightning_pp.schedules.actions import (
     BACKWARD,
@@ -48,8 +48,13 @@ from lightning_pp.schedules.actions import (
 from lightning_pp.schedules.costs import CostModel, StageCost, allreduce_time
 from lightning_pp.schedules.tables import ScheduleConfig, all_rank_actions
 
-#: One placed action: (pipeline rank, action, start time, end time).
-Event = tuple  # (int, Action, float, float)
+class Event(NamedTuple):
+    """One placed action."""
+
+    rank: int  # pipeline rank
+    action: Action
+    start: float
+    end: float
 
 
 @dataclass
@@ -60,7 +65,7 @@ class SimulationResult:
     """
 
     pp: int
-    events: list
+    events: list[Event]
     makespan: float
     pipeline_makespan: float
     busy: list
@@ -222,7 +227,7 @@ class _Replay:
 
     def _done(self, r: int, action: Action, start: float, end: float, exposed: float, held: int) -> float:
         """Record a placed action; ``held`` is the change of (microbatch, chunk)s in flight."""
-        self.events[r].append((r, action, start, end))
+        self.events[r].append(Event(r, action, start, end))
         self.busy[r] += end - start
         self.exposed[r] += exposed
         if held:

@@ -20,7 +20,7 @@ from lightning_pp.runtime.topology import build_topology
 from lightning_pp.runtime.config import PipelineConfig, ResolvedPipeline
 from lightning_pp.runtime.step.grads import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.failure.guard import failure_seen_in_process
-from lightning_pp.runtime.step.microbatch import batch_size
+from lightning_pp.runtime.step.microbatch import batch_size, map_tensors
 from lightning_pp.strategies.data import DataParallelWorld, LitdataSharding, data_parallel_world
 from lightning_pp.runtime.process import state
 
@@ -179,7 +179,7 @@ class PipelineEngine:
         lists chained, dicts and tuples joined field by field; anything else stays a list with one
         entry per microbatch."""
         if self.topology.pp > 1:
-            box = [_to_cpu(outputs)]
+            box = [map_tensors(torch.Tensor.cpu, outputs)]
             dist.broadcast_object_list(box, src=self.last_stage_rank(), group=self.topology.pp_group)
             outputs = box[0]
         return join_microbatches(outputs)
@@ -191,16 +191,6 @@ class PipelineEngine:
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         ex = self.executor
         return grad_norm(ex.grad_sync, ex.topology, ex.partition, norm_type)
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, dict):
-        return type(value)((k, _to_cpu(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
 
 
 def join_microbatches(outputs: list) -> Any:

@@ -83,8 +83,3 @@ def warn_unused_step_methods(module: Any, fn: Any) -> None:
             f"post-processing) does not happen. Instead: {_STEP_ADVICE[name]}."
         )
 
-
-def len_of(batch: Any) -> Optional[int]:
-    from lightning_pp.runtime.step.microbatch import batch_size
-
-    return batch_size(batch)

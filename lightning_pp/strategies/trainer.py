@@ -35,13 +35,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.strategies import checkpoint as ckpt
+from lightning_pp.runtime.step.microbatch import batch_size
 from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
 from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin
 from lightning_pp.strategies.loops import (
     _PipelineAutomaticOptimization,
-    len_of,
     lightning_hook_of,
     warn_unused_step_methods,
 )
@@ -226,7 +226,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         call._call_lightning_module_hook(trainer, "on_before_backward", loss)
         call._call_callback_hooks(trainer, "on_after_backward")
         call._call_lightning_module_hook(trainer, "on_after_backward")
-        user_logged = self._replay_logs(len_of(batch))
+        user_logged = self._replay_logs(batch_size(batch))
         if not self._last_step_skipped:  # a skipped step's inf/nan would poison the epoch mean
             self._log_loss("train_loss", loss, user_logged, batch, on_step=True, on_epoch=True)
         return loss
@@ -235,7 +235,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         with precision_context():  # as Lightning's Strategy.validation_step/test_step (autocast under bf16-mixed)
             result = self.engine.executor.eval_step(batch, compute_loss=True)
         loss = result.loss
-        user_logged = self._replay_logs(len_of(batch))
+        user_logged = self._replay_logs(batch_size(batch))
         self._log_loss(name, loss, user_logged, batch)
         return loss
 
@@ -248,7 +248,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         follow): see :meth:`reduce`."""
         if name in user_logged:
             return
-        self.lightning_module.log(name, loss, prog_bar=True, batch_size=len_of(batch), sync_dist=True,
+        self.lightning_module.log(name, loss, prog_bar=True, batch_size=batch_size(batch), sync_dist=True,
                                   sync_dist_group=ALREADY_GLOBAL, **kwargs)
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:

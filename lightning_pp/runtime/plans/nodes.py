@@ -26,6 +26,7 @@ import torch
 
 from lightning_pp.runtime.layer import run_layer
 from lightning_pp.runtime.plans.plan import (
+    Tensors,
     AbstractSchedulePlan,
     NoopScheduleNode,
     PlanEvent,
@@ -35,7 +36,6 @@ from lightning_pp.runtime.plans.plan import (
 )
 from lightning_pp.runtime.protocols import OwnsSchedulePlan, ProvidesScheduleNodes
 
-Tensors = tuple
 _NO_STREAM = nullcontext()  # reusable: nullcontext keeps no state
 
 

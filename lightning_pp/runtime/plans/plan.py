@@ -36,7 +36,8 @@ from lightning_pp.runtime.transport.waits import wait_for
 from lightning_pp.runtime.plans.weight_grad import deferred_weights, engine_backward
 from lightning_pp.runtime.process import state
 
-Tensors = tuple
+#: What crosses a node boundary: the node's inputs, outputs or their gradients.
+Tensors = tuple[Any, ...]
 
 
 # -- streams ----------------------------------------------------------------------------------------

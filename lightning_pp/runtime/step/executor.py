@@ -36,7 +36,7 @@ from lightning_pp.runtime.failure.watchdog import watchdog_for
 from lightning_pp.runtime.step.grads import GradientSync
 from lightning_pp.runtime.failure.guard import StepGuard
 from lightning_pp.runtime.step.loss import StepEnd
-from lightning_pp.runtime.step.microbatch import batch_fingerprint, batch_size, broadcast_batch, split_microbatches
+from lightning_pp.runtime.step.microbatch import batch_fingerprint, batch_size, broadcast_batch, split_microbatches, tensors_in
 from lightning_pp.runtime.transport.p2p import PointToPoint
 from lightning_pp.runtime.cut.partition import Partition, default_pipeline_inputs
 from lightning_pp.runtime.plans.plan import set_streams
@@ -47,7 +47,8 @@ from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
 from lightning_pp.runtime.transport.waits import BoundedWait
 from lightning_pp.schedules import ScheduleConfig, config_for_batch, rank_actions, split_backwards
-from lightning_pp.schedules.messages import delivery_marks, send_order
+from lightning_pp.schedules.actions import Action
+from lightning_pp.schedules.messages import Message, delivery_marks, send_order
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,11 @@ class StepPlan:
     """What one rank runs for one schedule configuration."""
 
     config: ScheduleConfig
-    actions: list  # training actions, in order
-    eval_actions: list  # forward-only actions, in order
-    expected: dict  # forward_only -> {neighbour pipeline rank: its send order to this rank}
-    deferred: frozenset = frozenset()  # (microbatch, chunk) whose weight gradient is a W action
-    marks: dict = field(default_factory=dict)  # forward_only -> messages.delivery_marks (send buffers freed early)
+    actions: list[Action]  # training actions, in order
+    eval_actions: list[Action]  # forward-only actions, in order
+    expected: dict[bool, dict[int, list[Message]]]  # forward_only -> {neighbour pipeline rank: its send order here}
+    deferred: frozenset[tuple[int, int]] = frozenset()  # (microbatch, chunk) whose weight gradient is a W action
+    marks: dict[bool, tuple[dict, dict]] = field(default_factory=dict)  # forward_only -> messages.delivery_marks
 
 
 @dataclass
@@ -68,7 +69,7 @@ class StepResult:
 
     loss: Optional[torch.Tensor]  # batch loss (global weighted mean), same on every rank
     num_samples: float  # global normaliser: samples, or the counts returned by pipeline_loss
-    outputs: list = field(default_factory=list)  # last stage, forward-only: per-microbatch outputs
+    outputs: list[Any] = field(default_factory=list)  # last stage, forward-only: per-microbatch outputs
     nonfinite: Optional[str] = None  # what was not finite (loss, gradients on which ranks), same everywhere
     skipped: bool = False  # nonfinite="skip" dropped this step's gradients
 
@@ -265,7 +266,7 @@ class PipelineExecutor:
         plan = self._plan_for_batch(batch)
         self.step_schedule = plan.config
         microbatches = split_microbatches(batch, plan.config.num_microbatches)
-        self.p2p.begin_step(_shapes_key(microbatches) if self.static_shapes else None, mode=not train,
+        self.p2p.begin_step(_shapes_key(microbatches) if self.static_shapes else None, forward_only=not train,
                             marks=plan.marks.get(not train))
         for src, order in plan.expected[not train].items():
             self.p2p.expect(src, order)
@@ -304,15 +305,4 @@ class PipelineExecutor:
 
 def _shapes_key(microbatches: list) -> tuple:
     """The shapes and dtypes of every tensor of every microbatch, in order."""
-    def walk(obj, out):
-        if isinstance(obj, torch.Tensor):
-            out.append((tuple(obj.shape), obj.dtype))
-        elif isinstance(obj, (tuple, list)):
-            for item in obj:
-                walk(item, out)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                walk(item, out)
-        return out
-
-    return tuple(tuple(walk(mb, [])) for mb in microbatches)
+    return tuple(tuple((tuple(t.shape), t.dtype) for t in tensors_in(mb)) for mb in microbatches)

@@ -25,7 +25,6 @@ import zlib
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 try:  # optional: NumPy arrays in a batch are split like tensors
     import numpy as _np
@@ -33,21 +32,68 @@ except ImportError:  # pragma: no cover - numpy ships with torch's usual install
     _np = None
 
 
+# -- the one walk over a batch's containers ------------------------------------------------------------
+# Containers are tuples, lists, namedtuples and dicts (subclasses included), rebuilt with their own
+# type; everything else is a leaf. The split below, the fingerprint, the broadcast, the shape key of
+# a step and the strategies' output handling all walk batches this way.
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def flatten(obj: Any) -> tuple[list, Any]:
+    """``(leaves, spec)``: the leaves of ``obj`` in order, and its structure as a picklable value
+    (container types, dict keys, lengths) that :func:`unflatten` rebuilds from."""
+    if _is_namedtuple(obj):
+        parts = [flatten(item) for item in obj]
+        return [leaf for leaves, _ in parts for leaf in leaves], ("namedtuple", type(obj), None, [sp for _, sp in parts])
+    if isinstance(obj, (tuple, list)):
+        parts = [flatten(item) for item in obj]
+        return [leaf for leaves, _ in parts for leaf in leaves], ("sequence", type(obj), None, [sp for _, sp in parts])
+    if isinstance(obj, dict):
+        keys = list(obj)
+        parts = [flatten(obj[key]) for key in keys]
+        return [leaf for leaves, _ in parts for leaf in leaves], ("dict", type(obj), keys, [sp for _, sp in parts])
+    return [obj], None
+
+
+def unflatten(leaves: list, spec: Any) -> Any:
+    """The inverse of :func:`flatten`."""
+    it = iter(leaves)
+
+    def build(sp):
+        if sp is None:
+            return next(it)
+        kind, cls, keys, children = sp
+        items = [build(child) for child in children]
+        if kind == "namedtuple":
+            return cls(*items)
+        if kind == "dict":
+            return cls(zip(keys, items))
+        return cls(items)
+
+    return build(spec)
+
+
+def map_tensors(fn, obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it (containers rebuilt, other leaves kept)."""
+    leaves, spec = flatten(obj)
+    return unflatten([fn(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in ``obj``, in order."""
+    return [leaf for leaf in flatten(obj)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def first_tensor(obj: Any) -> Optional[torch.Tensor]:
+    """The first tensor in ``obj``, or ``None``."""
+    return next(iter(tensors_in(obj)), None)
+
+
 def batch_size(batch: Any) -> Optional[int]:
     """Size of dim 0 of the first tensor found in ``batch`` (tensors, tuples, lists, dicts)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() > 0 else None
-    if isinstance(batch, (tuple, list)):
-        for item in batch:
-            size = batch_size(item)
-            if size is not None:
-                return size
-    if isinstance(batch, dict):
-        for item in batch.values():
-            size = batch_size(item)
-            if size is not None:
-                return size
-    return None
+    tensor = first_tensor(batch)
+    return tensor.shape[0] if tensor is not None and tensor.dim() > 0 else None
 
 
 def microbatch_sizes(size: int, num: int) -> list[int]:
@@ -57,17 +103,11 @@ def microbatch_sizes(size: int, num: int) -> list[int]:
 
 
 def _is_sequence(obj: Any) -> bool:
-    return isinstance(obj, (tuple, list)) and not hasattr(obj, "_fields")
+    return isinstance(obj, (tuple, list)) and not _is_namedtuple(obj)
 
 
 def _holds_batch_tensor(obj: Any, size: int) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return obj.dim() > 0 and obj.shape[0] == size
-    if isinstance(obj, (tuple, list)):
-        return any(_holds_batch_tensor(item, size) for item in obj)
-    if isinstance(obj, dict):
-        return any(_holds_batch_tensor(item, size) for item in obj.values())
-    return False
+    return any(t.dim() > 0 and t.shape[0] == size for t in tensors_in(obj))
 
 
 def _per_sample(obj: Any, size: int, path: str) -> bool:
@@ -107,7 +147,7 @@ def _split(obj: Any, sizes: list[int], size: int, path: str, top: bool) -> list[
         return list(torch.split(obj, sizes, dim=0))
     if _np is not None and isinstance(obj, _np.ndarray):
         return _cut(obj, sizes) if obj.ndim > 0 and obj.shape[0] == size else [obj] * num
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple: fields
+    if _is_namedtuple(obj):  # fields
         parts = [_split(item, sizes, size, f"{path}.{name}", False) for name, item in zip(obj._fields, obj)]
         return [type(obj)(*items) for items in zip(*parts)]
     if _is_sequence(obj):
@@ -179,6 +219,14 @@ def _tensor_hash(t: torch.Tensor) -> torch.Tensor:
     return by_row + by_col
 
 
+def _structure(spec: Any) -> str:
+    """A batch structure as text that is the same in every process (types by qualified name)."""
+    if spec is None:
+        return "*"
+    kind, cls, keys, children = spec
+    return f"{kind}:{cls.__module__}.{cls.__qualname__}{keys!r}({','.join(_structure(c) for c in children)})"
+
+
 def _stable_hash(value: Any) -> int:
     """A hash of a plain Python value that is the same in every process (``hash()`` of a string is
     salted per process)."""
@@ -190,8 +238,8 @@ def batch_fingerprint(batch: Any, device: torch.device) -> torch.Tensor:
     batches that differ in any tensor value, shape, dtype, sample order, in their structure, or in
     any string or number they hold. Computed without a host sync, so it can ride on a collective
     that already runs."""
-    leaves, spec = tree_flatten(batch)
-    plain = _stable_hash(str(spec))  # the structure: containers, their keys and lengths
+    leaves, spec = flatten(batch)
+    plain = _stable_hash(_structure(spec))  # the structure: containers, their keys and lengths
     parts: list[torch.Tensor] = []
     for leaf in leaves:
         if _np is not None and isinstance(leaf, _np.ndarray):
@@ -216,7 +264,7 @@ def broadcast_batch(batch: Any, src: int, group, device: torch.device) -> Any:
     ``device``."""
     import torch.distributed as dist
 
-    leaves, spec = tree_flatten(batch)
+    leaves, spec = flatten(batch)
     mine = dist.get_rank() == src
     described = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in leaves]
     box = [(spec, described, [None if isinstance(t, torch.Tensor) else t for t in leaves]) if mine else None]
@@ -229,4 +277,4 @@ def broadcast_batch(batch: Any, src: int, group, device: torch.device) -> Any:
             value = leaves[i].to(device).contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(value, src=src, group=group)
         out.append(value)
-    return tree_unflatten(out, spec)
+    return unflatten(out, spec)

@@ -19,7 +19,7 @@ import torch
 from lightning_pp.runtime.plans.context import microbatch_context
 from lightning_pp.runtime.failure.errors import PipelineCommError
 from lightning_pp.runtime.step.loss import normalise_loss
-from lightning_pp.runtime.step.microbatch import batch_size
+from lightning_pp.runtime.step.microbatch import batch_size, map_tensors
 from lightning_pp.runtime.plans.nodes import sending
 from lightning_pp.runtime.transport.p2p import PointToPoint
 from lightning_pp.runtime.cut.partition import Partition
@@ -33,8 +33,8 @@ from lightning_pp.schedules.messages import Message
 class Stash(NamedTuple):
     """What a forward keeps for its backward."""
 
-    received: tuple  # the stage's received inputs (their .grad are the input gradients)
-    outputs: tuple  # the outputs sent on, or (loss_sum,) on the last stage
+    received: tuple[torch.Tensor, ...]  # the stage's received inputs (their .grad are the input gradients)
+    outputs: tuple[torch.Tensor, ...]  # the outputs sent on, or (loss_sum,) on the last stage
     is_loss: bool
     plan: Any  # the schedule plan (combined 1F1B), else None
     detached: Any  # last stage with a plan: the detached outputs the loss was computed from
@@ -44,17 +44,17 @@ class Stash(NamedTuple):
 class StepState:
     """Everything one step accumulates, handed to every action of the step."""
 
-    microbatches: list
+    microbatches: list[Any]
     train: bool
     compute_loss: bool
     collect: bool
     loss_sum: torch.Tensor
     count: torch.Tensor
-    saved: dict = field(default_factory=dict)  # (microbatch, chunk) -> Stash
-    deferred: frozenset = frozenset()  # (microbatch, chunk) whose weight gradient is a later W action
-    weight_work: dict = field(default_factory=dict)  # (microbatch, chunk) -> DeferredWeights, from B to its W
-    local: dict = field(default_factory=dict)  # same-rank hand-offs: Message -> (tensors, as_tuple)
-    outputs: list = field(default_factory=list)  # last stage, forward-only: per-microbatch outputs
+    saved: dict[tuple[int, int], Stash] = field(default_factory=dict)  # (microbatch, chunk) -> its Stash
+    deferred: frozenset[tuple[int, int]] = frozenset()  # (microbatch, chunk) whose weight gradient is a later W
+    weight_work: dict[tuple[int, int], DeferredWeights] = field(default_factory=dict)  # from a B to its W
+    local: dict[Message, tuple[tuple[torch.Tensor, ...], bool]] = field(default_factory=dict)  # same-rank hand-offs
+    outputs: list[Any] = field(default_factory=list)  # last stage, forward-only: per-microbatch outputs
 
     @classmethod
     def start(cls, microbatches: list, train: bool, compute_loss: bool, collect: bool,
@@ -226,7 +226,7 @@ class StageRunner:
                 return
             detached = None
             if plan is not None:  # the loss is its own autograd segment; its grad feeds the plan
-                detached = detach_tree(output)
+                detached = map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), output)
                 output = detached
             with torch.set_grad_enabled(state.train):
                 samples = batch_size(mb_batch) or 1
@@ -316,11 +316,3 @@ def is_no_grad(g: torch.Tensor) -> bool:
 
 def untuple(outputs: tuple) -> Any:
     return outputs[0] if len(outputs) == 1 else outputs
-
-
-def detach_tree(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
-    if isinstance(value, tuple):
-        return tuple(detach_tree(v) for v in value)
-    return value

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import datetime
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,13 +50,31 @@ class StageBoundaryError(ValueError):
     between microbatches of one step."""
 
 
+class TensorSpec(NamedTuple):
+    """What a shape header says of one tensor crossing a stage boundary."""
+
+    dtype: torch.dtype
+    requires_grad: bool
+    shape: tuple[int, ...]
+
+
+class PostedReceive(NamedTuple):
+    """A receive posted ahead of need on the header-free fast path (see ``begin_step``)."""
+
+    message: Message
+    tensors: list  # the buffers being received into
+    works: list  # their irecv works
+    specs: list  # their TensorSpecs
+    as_tuple: bool  # whether the sender passed a tuple
+
+
 def signature(tensors: Sequence[torch.Tensor], as_tuple: bool) -> tuple:
     """What must stay the same for every microbatch of a step at one boundary (sizes may vary)."""
     return as_tuple, tuple((t.dtype, t.dim()) for t in tensors)
 
 
 def _spec_signature(specs, as_tuple: bool) -> tuple:
-    return as_tuple, tuple((dtype, len(shape)) for dtype, _, shape in specs)
+    return as_tuple, tuple((spec.dtype, len(spec.shape)) for spec in specs)
 
 
 def _render(sig: tuple) -> str:
@@ -80,14 +98,14 @@ def encode_header(tensors: Sequence[torch.Tensor], device: torch.device, as_tupl
     return torch.tensor(fields, dtype=torch.int64, device=device)
 
 
-def decode_header(header: torch.Tensor) -> tuple[list[tuple[torch.dtype, bool, tuple[int, ...]]], bool]:
-    """(per-tensor (dtype, requires_grad, shape), whether the sender passed a tuple)."""
+def decode_header(header: torch.Tensor) -> tuple[list[TensorSpec], bool]:
+    """(a :class:`TensorSpec` per tensor, whether the sender passed a tuple)."""
     fields = header.tolist()
     count, as_tuple, pos, specs = fields[0], bool(fields[1]), 2, []
     for _ in range(count):
         dtype, requires_grad, ndim = fields[pos : pos + 3]
         shape = tuple(fields[pos + 3 : pos + 3 + ndim])
-        specs.append((_DTYPES[dtype], bool(requires_grad), shape))
+        specs.append(TensorSpec(_DTYPES[dtype], bool(requires_grad), shape))
         pos += 3 + ndim
     return specs, as_tuple
 
@@ -102,10 +120,10 @@ def _fit_no_grad_markers(payload: tuple, spec: tuple, cached: tuple, describe, m
         return payload, spec
     fitted, fitted_specs = [], []
     for t, new, old in zip(payload, specs, old_specs):
-        if new != old and t.numel() == 0 and t.dim() > 0 and len(old[2]) == t.dim():
-            t = torch.zeros(old[2], dtype=t.dtype, device=t.device)
-            new = (t.dtype, new[1], old[2])
-        elif new != old and 0 in old[2] and t.numel() > 0:
+        if new != old and t.numel() == 0 and t.dim() > 0 and len(old.shape) == t.dim():
+            t = torch.zeros(old.shape, dtype=t.dtype, device=t.device)
+            new = TensorSpec(t.dtype, new.requires_grad, old.shape)
+        elif new != old and 0 in old.shape and t.numel() > 0:
             raise StageBoundaryError(
                 f"{describe()} sends {message.describe()}: an output of virtual stage {message.stage} got no "
                 f"gradient in the previous step with the same batch shapes but gets one "
@@ -125,8 +143,8 @@ class _Channel:
         self.arrived: dict[Message, tuple[tuple[torch.Tensor, ...], bool]] = {}
         self.header: Optional[torch.Tensor] = None
         self.header_work = None
-        # Fast path: receives posted ahead, in the peer's send order: (message, tensors, works).
-        self.posted: collections.deque = collections.deque()
+        # Fast path: receives posted ahead, in the peer's send order.
+        self.posted: collections.deque[PostedReceive] = collections.deque()
 
 
 class PointToPoint:
@@ -163,12 +181,13 @@ class PointToPoint:
         self.bounded_wait = BoundedWait(timeout, describe, position)
         self.signatures: dict[tuple[str, int], tuple[int, tuple]] = {}  # (direction, stage) -> (mb, sig)
         self.channels: dict[int, _Channel] = {}
-        # Header-free fast path (see begin_step): per mode, the specs of last step's messages and
-        # the batch key they were seen with.
-        self.specs: dict[bool, dict[tuple[int, Message], tuple]] = {False: {}, True: {}}
+        # Header-free fast path (see begin_step): for training and for forward-only steps apart
+        # (keyed by ``forward_only``), the specs of last step's messages and the batch key they were
+        # seen with.
+        self.specs: dict[bool, dict[tuple[int, Message], tuple[list[TensorSpec], bool]]] = {False: {}, True: {}}
         self.last_key: dict[bool, object] = {}
         self.fast = False
-        self.mode = False
+        self.forward_only = False
         self.key = None
         self.post_ahead = 2
         self.pending_sends: list[tuple[object, tuple[torch.Tensor, ...], Message, int]] = []
@@ -178,20 +197,20 @@ class PointToPoint:
         self.sent_at: dict = {}
 
     # -- plan ---------------------------------------------------------------------------------
-    def begin_step(self, key=None, mode: bool = False, marks: Optional[tuple[dict, dict]] = None) -> None:
+    def begin_step(self, key=None, forward_only: bool = False, marks: Optional[tuple[dict, dict]] = None) -> None:
         """Start a step. ``key`` describes the step's microbatch shapes (every rank of a pipeline
-        splits the same batch, so they all compute the same key); ``mode`` separates training from
-        forward-only steps.
+        splits the same batch, so they all compute the same key); ``forward_only`` separates
+        forward-only steps from training.
 
-        When the key equals the one of the last completed step of the same mode, both sides skip
+        When the key equals the one of the last completed step of the same kind, both sides skip
         the shape header: the sender checks its tensors against last step's specs (and raises if
         they changed although the batch shapes did not), and the receiver posts its receives ahead
         of need, ``post_ahead`` per peer, in the peer's send order. Otherwise every message carries
         its header, so shapes may change freely."""
         self.signatures.clear()
         self.consumed_at, self.sent_at = marks if marks is not None else ({}, {})
-        self.mode, self.key = mode, key
-        self.fast = key is not None and self.last_key.get(mode) == key
+        self.forward_only, self.key = forward_only, key
+        self.fast = key is not None and self.last_key.get(forward_only) == key
 
     def _check_signature(self, message: Message, sig: tuple, side: str) -> Optional[str]:
         """The explanation if ``sig`` differs from the first microbatch of this step at this
@@ -225,14 +244,14 @@ class PointToPoint:
             self._post_header(src, channel)
 
     def _post_ahead(self, src: int, channel: _Channel) -> None:
-        specs = self.specs[self.mode]
+        specs = self.specs[self.forward_only]
         peer = self.peer_rank(src)
         while channel.expected and len(channel.posted) < self.post_ahead:
             message = channel.expected.popleft()
             tensor_specs, as_tuple = specs[(src, message)]
-            tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in tensor_specs]
+            tensors = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in tensor_specs]
             works = [dist.irecv(t, src=peer, group=self.group) for t in tensors]
-            channel.posted.append((message, tensors, works, tensor_specs, as_tuple))
+            channel.posted.append(PostedReceive(message, tensors, works, tensor_specs, as_tuple))
 
     def _post_header(self, src: int, channel: _Channel) -> None:
         if channel.expected and channel.header_work is None:
@@ -243,7 +262,7 @@ class PointToPoint:
     def send(self, dst: int, message: Message, tensors: Sequence[torch.Tensor], as_tuple: bool = True) -> None:
         """Send ``tensors`` to pipeline rank ``dst`` without waiting. The header records which
         tensors require grad, so the receiver makes those leaves that collect a gradient."""
-        spec = ([(t.dtype, t.requires_grad, tuple(t.shape)) for t in tensors], as_tuple)
+        spec = ([TensorSpec(t.dtype, t.requires_grad, tuple(t.shape)) for t in tensors], as_tuple)
         payload = tuple(t.detach().contiguous() for t in tensors)
         peer = self.peer_rank(dst)
         if self.fast:
@@ -252,7 +271,7 @@ class PointToPoint:
             mismatch = self._check_signature(message, signature(tensors, as_tuple), "sends")
             if mismatch is not None:
                 raise StageBoundaryError(mismatch)
-            cached = self.specs[self.mode].get((dst, message))
+            cached = self.specs[self.forward_only].get((dst, message))
             if cached != spec and message.direction == "B" and cached is not None:
                 payload, spec = _fit_no_grad_markers(payload, spec, cached, self.describe, message)
             if cached != spec:
@@ -267,7 +286,7 @@ class PointToPoint:
                 self.pending_sends.append((work, payload, message, dst))
             self._reap_sends()
             return
-        self.specs[self.mode][(dst, message)] = spec
+        self.specs[self.forward_only][(dst, message)] = spec
         mismatch = self._check_signature(message, signature(tensors, as_tuple), "sends")
         header = encode_header(tensors, self.device, as_tuple)
         works = [dist.isend(header, dst=peer, group=self.group)]
@@ -300,11 +319,12 @@ class PointToPoint:
                     f"which the schedule never sends."
                 )
             if self.fast:
-                nxt, tensors, works, tensor_specs, as_tuple = channel.posted.popleft()
-                for work in works:
+                posted = channel.posted.popleft()
+                nxt = posted.message
+                for work in posted.works:
                     self._wait(work, f"receiving {nxt.describe()}", src, nxt)
-                channel.arrived[nxt] = (
-                    tuple(t.requires_grad_(rg) if rg else t for t, (_, rg, _) in zip(tensors, tensor_specs)), as_tuple)
+                channel.arrived[nxt] = (tuple(t.requires_grad_(spec.requires_grad) if spec.requires_grad else t
+                                              for t, spec in zip(posted.tensors, posted.specs)), posted.as_tuple)
                 self._post_ahead(src, channel)
             else:
                 nxt = channel.expected.popleft()
@@ -349,15 +369,16 @@ class PointToPoint:
         mismatch = self._check_signature(message, _spec_signature(specs, as_tuple), "receives")
         if mismatch is not None:
             raise StageBoundaryError(mismatch)
-        self.specs[self.mode][(src, message)] = (specs, as_tuple)
+        self.specs[self.forward_only][(src, message)] = (specs, as_tuple)
         peer = self.peer_rank(src)
-        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs]
+        tensors = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in specs]
         works = [dist.irecv(t, src=peer, group=self.group) for t in tensors]
         # The next header is posted before waiting so it is already in flight.
         self._post_header(src, channel)
         for work in works:
             self._wait(work, f"receiving {message.describe()}", src, message)
-        return tuple(t.requires_grad_(rg) if rg else t for t, (_, rg, _) in zip(tensors, specs)), as_tuple
+        return tuple(t.requires_grad_(spec.requires_grad) if spec.requires_grad else t
+                     for t, spec in zip(tensors, specs)), as_tuple
 
     def _reap_sends(self) -> None:
         if len(self.pending_sends) > 64:
@@ -369,7 +390,7 @@ class PointToPoint:
         for work, _, message, dst in pending:
             self._wait(work, f"sending {message.describe()}", dst)
         # Every message of the step went through: the next step with the same key may skip headers.
-        self.last_key[self.mode] = self.key
+        self.last_key[self.forward_only] = self.key
 
     def reset(self) -> None:
         """Drop receive state after a failed step."""
