@@ -49,6 +49,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import launch  # noqa: E402
+from lightning_pp.runtime import executor_of
 
 WORLD_SIZE = 2
 DEFAULTS = {
@@ -236,7 +237,7 @@ def _fit_part(cfg: dict, rank: int) -> dict:
             pair, second = divmod(self.block, 2)
             self.state = (second == 0) if pair % 2 == 0 else (second == 1)  # flip the order every pair
             monitor.enabled = self.state
-            pl_module._lpp_executor.timeline.enabled = self.state
+            executor_of(pl_module).timeline.enabled = self.state
             self.load = _Load()
 
         def on_train_end(self, trainer, pl_module):

@@ -11,6 +11,7 @@ import torch
 from distributed import run_distributed
 from models import Block, ToyRegressor
 from moe_models import TinyMoELM
+from lightning_pp.runtime import executor_of
 
 M = 4
 
@@ -91,7 +92,7 @@ def _fit(rank, world, policy):
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0)
     trainer.fit(model, loader(8))
-    executor = model._lpp_executor
+    executor = executor_of(model)
     marked = [getattr(layer, "_lpp_checkpoint", False) for chunk in executor.partition.chunks for layer in chunk.layers]
     names = executor.partition.parameter_names
     return marked, {names[id(p)]: p.detach().clone() for p in model.parameters()}

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from distributed import run_distributed
 from models import TiedLM
+from lightning_pp.runtime import find_executor
 
 STEPS, SAVE_AT = 8, 4  # 4 batches per epoch: the checkpoint is taken at the end of epoch 0
 TRAINER = dict(accelerator="cpu", precision="64-true", logger=False, enable_progress_bar=False,
@@ -74,7 +75,7 @@ MODELS = {  # (more models cost CI time: the tied one with two parameter groups 
 
 def _params(module) -> dict[str, torch.Tensor]:
     """Parameters by canonical (one-device) name; on a pipeline rank, this rank's."""
-    executor = getattr(module, "_lpp_executor", None)
+    executor = find_executor(module)
     if executor is None:
         return {n: p.detach().clone() for n, p in module.named_parameters()}
     names = executor.partition.parameter_names

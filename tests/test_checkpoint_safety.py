@@ -17,6 +17,7 @@ import torch
 
 from distributed import DistributedFailure, run_distributed
 from lightning_models import PipeRegressor, loader
+from lightning_pp.runtime import executor_of
 
 TRAINER = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                num_sanity_val_steps=0, use_distributed_sampler=False)
@@ -29,7 +30,7 @@ def _strategy():
 
 
 def _params(module):
-    names = module._lpp_executor.partition.parameter_names
+    names = executor_of(module).partition.parameter_names
     return {names[id(p)]: p.detach().clone() for p in module.parameters()}
 
 

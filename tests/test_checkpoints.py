@@ -13,6 +13,7 @@ import torch
 
 from distributed import run_distributed
 from lightning_models import PipeRegressor, loader
+from lightning_pp.runtime import find_executor
 
 TRAINER = dict(accelerator="cpu", precision="64-true", logger=False, enable_progress_bar=False,
                enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
@@ -32,7 +33,7 @@ class Record(L.Callback):
 
 
 def _params(module):
-    executor = getattr(module, "_lpp_executor", None)
+    executor = find_executor(module)
     if executor is None:
         return {n: p.detach().clone() for n, p in module.named_parameters()}
     names = executor.partition.parameter_names

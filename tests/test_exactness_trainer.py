@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from distributed import DistributedFailure, run_distributed
 from models import Block
+from lightning_pp.runtime import executor_of
 
 
 class Backbone(nn.Module):
@@ -181,7 +182,7 @@ def _pipelined(rank, world, model_kwargs, strategy_kwargs, augment, checkpoint_d
         if checkpoint_dir:
             trainer.save_checkpoint(checkpoint_dir)
         preds = torch.cat(trainer.predict(model, loader(n=predict_n)))
-    names = model._lpp_executor.partition.parameter_names
+    names = executor_of(model).partition.parameter_names
     params = {names[id(p)]: p.detach().clone() for p in model.parameters() if id(p) in names}
     held = {n for n, _ in model.named_parameters()}
     return params, held, metrics, preds, [str(w.message) for w in caught], trainer.global_step

@@ -9,6 +9,7 @@ import torch
 
 from distributed import run_distributed
 from lightning_models import PipeRegressor, loader
+from lightning_pp.runtime import executor_of
 
 STEPS = 4
 
@@ -55,7 +56,7 @@ def _fabric_run(rank, world, strategy_spec, ckpt_dir):
         losses.append(float(loss))
         if step == 1:
             fabric.save(ckpt_dir, {"model": model, "optimizer": opt, "step": step})
-    names = model._lpp_executor.partition.parameter_names
+    names = executor_of(model).partition.parameter_names
     params = {names[id(p)]: p.detach().clone() for p in model.parameters()}
     # Resume from the step-1 checkpoint into a fresh model and continue: same trajectory.
     torch.manual_seed(1)

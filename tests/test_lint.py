@@ -46,3 +46,35 @@ def test_ruff_passes():
         pytest.skip("ruff is not installed (it is in the test extra: pip install -e .[test])")
     result = subprocess.run([ruff, "check", "--no-cache", str(ROOT)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+OVERRIDES_CHECKED = ("lightning_pp.strategies.trainer", "lightning_pp.strategies.fabric", "lightning_pp.strategies.core",
+                     "lightning_pp.callbacks.monitor")
+
+
+def test_every_override_of_lightning_is_marked():
+    """Lightning's idiom: a method that overrides a base class's carries ``@override`` (so a rename
+    in Lightning is caught by a type checker instead of silently adding a method)."""
+    import ast
+    import importlib
+
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+    from lightning.pytorch.strategies import DDPStrategy as TrainerDDP
+
+    unmarked = []
+    for name in OVERRIDES_CHECKED:
+        module = importlib.import_module(name)
+        tree = ast.parse(Path(module.__file__).read_text())
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            klass = getattr(module, cls.name, None)
+            if klass is None:
+                continue
+            bases = [TrainerDDP, FabricDDP] if cls.name == "PipelineStrategyMixin" else list(klass.__mro__[1:])
+            for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+                decorators = [ast.unparse(d) for d in fn.decorator_list]
+                if fn.name.startswith("__") or any(d.endswith(".setter") for d in decorators):
+                    continue
+                overrides = any(fn.name in vars(b) for base in bases for b in base.__mro__ if b is not object)
+                if overrides and "override" not in decorators:
+                    unmarked.append(f"{name}.{cls.name}.{fn.name}")
+    assert unmarked == []

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 pytest.importorskip("litgpt")
 
 from distributed import run_distributed  # noqa: E402
+from lightning_pp.runtime import executor_of
 
 CONFIG = dict(n_layer=4, n_embd=32, n_head=4, block_size=32, padded_vocab_size=64, vocab_size=64, intermediate_size=64)
 TRAINER = dict(accelerator="cpu", precision="64-true", max_steps=4, logger=False, enable_checkpointing=False,
@@ -63,7 +64,7 @@ def _pipelined(rank, world, path):
     model = _model()
     trainer = L.Trainer(devices=world, strategy=PipelineStrategy(num_microbatches=2), **TRAINER)
     trainer.fit(model, DataLoader(_data(), batch_size=4), DataLoader(_data(8), batch_size=4))
-    names = model._lpp_executor.partition.parameter_names
+    names = executor_of(model).partition.parameter_names
     params = {names[id(p)]: p.detach().clone() for p in model.parameters() if id(p) in names}
     kept = [i for i, block in enumerate(model.built_blocks) if not any(p.is_meta for p in block.parameters())]
     real = all(not p.is_meta and p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from distributed import run_distributed
 from moe_models import TinyMoELM
+from lightning_pp.runtime import executor_of
 
 TRAINER = dict(accelerator="cpu", max_steps=3, precision="64-true", logger=False, enable_checkpointing=False,
                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -56,7 +57,7 @@ def _fit(rank, world):
     trainer = L.Trainer(devices=world, strategy=strategy, **TRAINER)
     dp = world // 2
     trainer.fit(model, _data(8, dp, (rank % dp)))
-    names = model._lpp_executor.partition.parameter_names
+    names = executor_of(model).partition.parameter_names
     return {names[id(p)]: p.detach().clone() for p in model.parameters()}, float(trainer.callback_metrics["train_loss_step"])
 
 
@@ -87,7 +88,7 @@ def _fit_dualpipev_default_sampler(rank, world):
     # over the two data-parallel replicas (and shuffles it with seed 0).
     trainer = L.Trainer(devices=world, strategy=strategy, **dict(TRAINER, use_distributed_sampler=True))
     trainer.fit(model, _data(8))
-    names = model._lpp_executor.partition.parameter_names
+    names = executor_of(model).partition.parameter_names
     return {names[id(p)]: p.detach().clone() for p in model.parameters()}
 
 
@@ -136,7 +137,7 @@ def _fit_with_checkpoint(rank, world, ckpt_dir, pp, ep, ckpt_path=None):
                         default_root_dir=ckpt_dir, **RESUME)
     dp = _dp(world, pp)
     trainer.fit(model, _data(16 // dp, dp, rank % dp), ckpt_path=ckpt_path)
-    names = model._lpp_executor.partition.parameter_names
+    names = executor_of(model).partition.parameter_names
     return {names[id(p)]: p.detach().clone() for p in model.parameters()}
 
 
@@ -177,7 +178,7 @@ def _fabric_moe(rank, world):
         losses.append(float(fabric.strategy.pipeline_step(model, (x, y))))
         fabric.clip_gradients(model, opt, max_norm=0.5)
         opt.step()
-    names = model._lpp_executor.partition.parameter_names
+    names = executor_of(model).partition.parameter_names
     return losses, {names[id(p)]: p.detach().clone() for p in model.parameters()}
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from distributed import run_distributed
 from exactness_models import compare, pipelined_steps, plain_batches, reference_steps
+from lightning_pp.runtime.plans.stages import is_vp_first_stage, is_vp_last_stage
 from lightning_pp.runtime.plans.plan import (
     AbstractSchedulePlan,
     NoopScheduleNode,
@@ -19,8 +20,6 @@ from lightning_pp.runtime.plans.plan import (
     StageDispatchBwdGrad,
     get_comm_stream,
     get_comp_stream,
-    is_vp_first_stage,
-    is_vp_last_stage,
     make_viewless,
     register_persistent,
     set_streams,
@@ -121,7 +120,7 @@ def _batches():
 def _run(rank, world, cases):
     from lightning_pp.runtime import build_pipeline
     from lightning_pp.schedules import make_config
-    from lightning_pp.runtime.plans.plan import (
+    from lightning_pp.runtime.plans.stages import (
         get_pp_first_rank,
         get_pp_last_rank,
         get_pp_next_rank,

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from distributed import run_distributed
 from lightning_models import PipeRegressor
+from lightning_pp.runtime import executor_of
 from exactness_models import plain_batches
 from models import ToyRegressor, pipelined_run, reference_run
 from lightning_pp.schedules import (
@@ -97,7 +98,7 @@ def _runtime_and_trainer(rank, world):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         strategy=PipelineStrategy(virtual_pipeline_size=2, num_microbatches=4, schedule="gpipe_lifo"))
     trainer.fit(module, DataLoader(_dataset(), batch_size=8))
-    names = module._lpp_executor.partition.parameter_names
+    names = executor_of(module).partition.parameter_names
     return runtime, {names[id(p)]: p.detach().clone() for p in module.parameters()}
 
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from distributed import run_distributed
 from lightning_models import PipeRegressor, regression_data
+from lightning_pp.runtime import executor_of
 
 TOTAL_STEPS = 500
 SEGMENT = 100
@@ -63,7 +64,7 @@ def _train(rank, world, directory, max_steps, resume):
                         **TRAINER)
     ckpt_path = str(Path(directory) / "last.ckpt") if resume else None
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
-    names = model._lpp_executor.partition.parameter_names
+    names = executor_of(model).partition.parameter_names
     return trainer.global_step, losses.values, {names[id(p)]: p.detach().clone() for p in model.parameters()}
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from distributed import DistributedFailure, run_distributed
 from lightning_models import PipeRegressor, loader
+from lightning_pp.runtime import executor_of
 
 QUIET = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
              enable_checkpointing=False, use_distributed_sampler=False, precision="64-true")
@@ -169,7 +170,7 @@ def _fit_bf16(rank, world):
     dtypes = _linear_dtypes(model)
     trainer = L.Trainer(devices=world, strategy=_strategy(num_microbatches=4), **BF16)
     trainer.fit(model, loader(8, n=32))
-    names = model._lpp_executor.partition.parameter_names
+    names = executor_of(model).partition.parameter_names
     return dtypes, {names[id(p)]: p.detach().clone() for p in model.parameters()}
 
 

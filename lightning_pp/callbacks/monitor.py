@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
+from typing_extensions import override
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -150,6 +151,7 @@ class PipelineMonitor(Callback):
                 self._tokens = None  # no token count for this data
 
     # -- hooks ----------------------------------------------------------------------------------
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not self.write_png or self._png_unavailable is not None or not trainer.is_global_zero:
             return  # only global rank 0 draws
@@ -166,6 +168,7 @@ class PipelineMonitor(Callback):
                 "metrics are written as usual."
             )
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._executor = self._find_executor(trainer, pl_module)
         if self._executor is None:
@@ -179,18 +182,22 @@ class PipelineMonitor(Callback):
         self._reset_window()
         self._clock = time.perf_counter()
 
+    @override
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._clock = time.perf_counter()
 
+    @override
     def on_validation_end(self, trainer, pl_module) -> None:
         self._clock = time.perf_counter()  # validation inside fit does not count as training time
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self._batch_index += 1
         self._opt_start = self._opt_end = None
         if self._executor is not None and self.enabled:
             self._count(batch)
 
+    @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._executor is not None and self.enabled and self._opt_start is None:
             self._opt_start = self._executor.timeline.mark()
@@ -199,6 +206,7 @@ class PipelineMonitor(Callback):
         if self._executor is not None and self.enabled and self._opt_start is not None:
             self._opt_end = self._executor.timeline.mark()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
@@ -218,9 +226,11 @@ class PipelineMonitor(Callback):
             self._capture(trainer, pl_module, index)
             self._clock = time.perf_counter()  # the gather is not training time
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         self._remove_hooks()
 
+    @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._remove_hooks()
 

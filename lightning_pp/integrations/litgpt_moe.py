@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from lightning_pp.integrations.litgpt_rope import Rope
-from lightning_pp.moe.parallel import ExpertParallelMoE, MoERouting
+from lightning_pp.moe.parallel import ExpertParallelMoE
+from lightning_pp.moe.state import MoERouting
 
 from litgpt.model import GPT, LLaMAMoE
 

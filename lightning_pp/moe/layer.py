@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pp.moe.parallel import ExpertParallelMoE, MoERouting
+from lightning_pp.moe.parallel import ExpertParallelMoE
+from lightning_pp.moe.state import MoERouting
 from lightning_pp.runtime.plans import context
 
 

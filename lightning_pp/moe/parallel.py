@@ -31,46 +31,19 @@ with asynchronous all-to-all, used by combined 1F1B).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_pp.moe.buffers import StagingPool, scatter_rows_into, stage_dispatch_bwd_grad
+from lightning_pp.moe.state import DispatchState, MoERouting
 from lightning_pp.runtime.plans import context
 from lightning_pp.runtime.plans.nodes import LayerNodes
 from lightning_pp.runtime.cut.partition import drop_keys_held_elsewhere
 from lightning_pp.runtime.plans.plan import PlanEvent, ScheduleNode, StageDispatchBwdGrad, get_comm_stream, get_comp_stream
 from lightning_pp.runtime.transport.waits import LaunchedWork, wait_for
-
-
-class MoERouting(NamedTuple):
-    """What a layer's ``moe_pre`` returns."""
-
-    carry: tuple  # tensors handed unchanged to moe_post (through every node)
-    tokens: torch.Tensor  # [T, C] the rows to route
-    probs: torch.Tensor  # [T, k] the weight of each chosen expert's output
-    indices: torch.Tensor  # [T, k] the chosen experts
-
-
-@dataclass
-class DispatchState:
-    """What one microbatch's pass through the layer carries from slot to slot (routing, the
-    all-to-all splits, the staging slot), made by ``_route`` and read by the later slots."""
-
-    num_tokens: int = 0  # tokens routed
-    token_of: Optional[torch.Tensor] = None  # [rows] the token each expert-ordered row belongs to
-    counts: Optional[torch.Tensor] = None  # [num_experts] rows this rank sends to each expert
-    capacity: Optional[int] = None  # rows per expert and rank (None: dropless)
-    counts_exchange: Optional[tuple] = None  # (received counts, work) while the exchange is in flight
-    send_splits: list = field(default_factory=list)  # rows sent to each expert-parallel rank
-    recv_splits: list = field(default_factory=list)  # rows received from each
-    expert_major: Optional[torch.Tensor] = None  # source-major row of each expert-major row
-    expert_counts: list = field(default_factory=list)  # rows each local expert gets
-    slot: Optional[int] = None  # the staging pool's slot (None without staging)
-    event: Optional[PlanEvent] = None  # the microbatch's event (fine-grained execution)
 
 
 def mark_expert_parameters(module: nn.Module) -> None:

@@ -275,3 +275,12 @@ __all__ = [
     "optimizer_state",
     "save",
 ]
+
+
+def remove(path: Any) -> None:
+    """Delete a checkpoint: a sharded directory or a single file (call on one rank)."""
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 from torch import nn
 
 from lightning_pp.runtime.build import build_pipeline, find_executor
@@ -160,6 +161,19 @@ class PipelineEngine:
 
         return loss_fn
 
+    def failure_context(self, global_rank: int) -> Optional[tuple]:
+        """``(board, this rank's description, diagnosis)`` for explaining a failure outside the
+        step on every rank, or ``None`` when there is no process group (yet) to share it through."""
+        from lightning_pp.runtime.failure.board import FailureBoard
+
+        executor = self.executor
+        board = executor.board if executor is not None else FailureBoard()
+        if board.store is None:
+            return None
+        topology = executor.topology if executor is not None else self.topology
+        me = topology.describe() if topology is not None else f"rank {global_rank}"
+        return board, me, executor.diagnosis if executor is not None else None
+
     def last_stage_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's data-parallel slot."""
         return self.topology.global_rank(self.executor.schedule.last_stage_rank)
@@ -236,6 +250,7 @@ class PipelineStrategyMixin:
     #: materialised after the cut, only what each rank keeps (``lightning_pp.runtime.cut.meta``).
     materializes_meta_modules = True
 
+    @override
     def _configure_launcher(self) -> None:
         # Runs in the launching process once devices and nodes are known: a configuration that
         # cannot work fails here, before processes are spawned or groups created.
@@ -260,6 +275,7 @@ class PipelineStrategyMixin:
         return self.data_parallel_world.rank
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict:
         # Every stage of one pipeline must see the same batch: shard the data over dp only.
         world = self.data_parallel_world
@@ -272,6 +288,7 @@ class PipelineStrategyMixin:
             self._litdata = LitdataSharding(self.data_parallel_world)
             self._litdata.install()
 
+    @override
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)
         litdata = getattr(self, "_litdata", None)
@@ -282,6 +299,7 @@ class PipelineStrategyMixin:
         """Training steps dropped so far because their loss or gradients were not finite."""
         return self.engine.skipped_steps
 
+    @override
     def teardown(self) -> None:
         if self.engine.executor is not None:
             self.engine.executor.close()

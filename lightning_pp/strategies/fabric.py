@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
+from typing_extensions import override
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
@@ -112,6 +113,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self._engine = PipelineEngine(PipelineConfig.from_strategy_arguments(locals()))  # checked here
         self._backward_sync_control = None
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.engine.setup_topology(self.root_device.type)
@@ -126,26 +128,18 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         the most recently set-up strategy. An exception the user catches is the user's to report."""
         import weakref
 
-        from lightning_pp.runtime.failure.board import FailureBoard
         from lightning_pp.runtime.failure.outside_step import install_excepthook
 
         strategy = weakref.ref(self)
 
         def context():
             current = strategy()
-            if current is None:
-                return None
-            engine = current.engine
-            executor = engine.executor
-            board = executor.board if executor is not None else FailureBoard()
-            if board.store is None:
-                return None
-            topology = executor.topology if executor is not None else engine.topology
-            me = topology.describe() if topology is not None else f"rank {current.global_rank}"
-            return board, me, executor.diagnosis if executor is not None else None, None
+            found = current.engine.failure_context(current.global_rank) if current is not None else None
+            return (*found, None) if found is not None else None
 
         install_excepthook(context)
 
+    @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """``fabric.init_module(empty_init=True)``: modules are built on the meta device (no
         memory); ``setup_module`` materialises and initialises only what this rank keeps after the
@@ -158,6 +152,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         return stack
 
     # -- modules and optimizers ---------------------------------------------------------------
+    @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None):
         if optimizers:
             raise RuntimeError(
@@ -168,6 +163,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             )
         return self.setup_module(module), [], scheduler
 
+    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         executor = self.engine.setup_module(module, self.root_device)
         if not getattr(executor, "_lpp_fabric_precision", False):
@@ -212,6 +208,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         with self.precision.forward_context():
             yield
 
+    @override
     def module_to_device(self, module: nn.Module) -> None:
         if not has_meta_tensors(module):  # a meta module is materialised on the device by setup_module
             module.to(self.root_device)
@@ -240,6 +237,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             return _widened(self.engine.gather_outputs(result.outputs), torch.get_default_dtype())
         return result.loss
 
+    @override
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
             "fabric.backward cannot run under pipeline parallelism: forward and backward of different "
@@ -247,12 +245,14 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             "which runs forward and backward of every microbatch, then step the optimizer."
         )
 
+    @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
         return self.engine.clip_grad_norm(float(max_norm), float(norm_type), error_if_nonfinite)
 
     # -- checkpoints --------------------------------------------------------------------------
+    @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         if storage_options is not None or filter is not None:
@@ -268,6 +268,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         meta[ckpt.LAYOUT_KEY] = ckpt.layout_of(executor_of(module))
         ckpt.save(path, shards, meta)
 
+    @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         if isinstance(state, (nn.Module, Optimizer)) or state is None:

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import Any, Generator, Literal, Optional, Union
 
 import torch
+from typing_extensions import override
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -133,15 +134,18 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
     # -- checkpoints are restored after setup, into the cut model -------------------------------
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # shards are loaded into the cut model and its optimizers
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False  # done in load_checkpoint
 
     # -- models larger than a host ---------------------------------------------------------------
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """``Trainer.init_module(empty_init=True)``: modules are built on the meta device (no
         memory); after the cut each rank materialises and initialises only what it keeps (see
@@ -154,6 +158,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
                 yield
 
     # -- setup --------------------------------------------------------------------------------
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.engine.setup_topology(self.root_device.type)
@@ -161,6 +166,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self.engine.topology.mesh
 
+    @override
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -211,6 +217,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self._last_step_skipped = result.skipped
         return result.loss
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         trainer = module.trainer
@@ -251,6 +258,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self.lightning_module.log(name, loss, prog_bar=True, batch_size=batch_size(batch), sync_dist=True,
                                   sync_dist_group=ALREADY_GLOBAL, **kwargs)
 
+    @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         """As ``DDPStrategy.reduce``, except for values the strategy logged that are already the same
         global value on every rank (``group=ALREADY_GLOBAL``): returned as they are."""
@@ -258,12 +266,15 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             return tensor
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step(args[0], "val_loss", self.precision_plugin.val_step_context)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step(args[0], "test_loss", self.precision_plugin.test_step_context)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self.pipeline_predict(args[0])
@@ -287,6 +298,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             LightningModule.log(self.lightning_module, name, torch.tensor(value, dtype=torch.float64), **kwargs)
         return set(logs)
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         raise RuntimeError(
             "manual_backward cannot run under pipeline parallelism: the forward and backward of different "
@@ -296,12 +308,15 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         )
 
     # -- checkpoints --------------------------------------------------------------------------
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.lightning_module.state_dict()
 
+    @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return ckpt.optimizer_state(self.lightning_module, optimizer)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("PipelineStrategy.save_checkpoint does not take storage_options (DCP writes the shards).")
@@ -311,6 +326,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         checkpoint[ckpt.LAYOUT_KEY] = ckpt.layout_of(self.engine.executor)
         ckpt.save(filepath, shards, checkpoint)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         module = self.lightning_module
         fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
@@ -338,24 +354,21 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             shards[f"optimizer_{i}"] = ckpt.OptimizerShard(module, optimizer)
         return ckpt.load(checkpoint_path, shards, layout=ckpt.layout_of(self.engine.executor))
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         pass  # loaded in load_checkpoint
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # loaded in load_checkpoint
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            import shutil
-            from pathlib import Path
-
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            ckpt.remove(filepath)
 
     # -- failures outside the pipeline step ---------------------------------------------------
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Called by Lightning on a rank whose run ``exception`` ends, before teardown (after the
         callbacks' ``on_exception``). Makes every rank's error name the rank that failed first, as
@@ -376,15 +389,9 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             pass
 
     def _explain_exception(self, exception: BaseException) -> None:
-        from lightning_pp.runtime.failure.board import FailureBoard
         from lightning_pp.runtime.failure.outside_step import explain_exception, locate
 
-        engine = self.engine
-        executor = engine.executor
-        board = executor.board if executor is not None else FailureBoard()
-        if board.store is None:
-            return  # no process group (yet): the error stays local
-        topology = executor.topology if executor is not None else engine.topology
-        me = topology.describe() if topology is not None else f"rank {self.global_rank}"
-        explain_exception(exception, board, me, where=locate(exception, lightning_hook_of),
-                          diagnosis=executor.diagnosis if executor is not None else None)
+        found = self.engine.failure_context(self.global_rank)
+        if found is not None:  # else no process group (yet): the error stays local
+            board, me, diagnosis = found
+            explain_exception(exception, board, me, where=locate(exception, lightning_hook_of), diagnosis=diagnosis)

@@ -29,7 +29,6 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from lightning_pp.runtime.plans import context
 from lightning_pp.runtime.transport.waits import wait_for
@@ -300,86 +299,6 @@ class AbstractSchedulePlan(ABC):
         * returns ``(forward outputs, input gradients)``, ``None`` for a side that did not run."""
 
 
-# -- where a stage is ------------------------------------------------------------------------------
-def _group_rank(pp_group) -> tuple[int, int]:
-    return dist.get_rank(pp_group), dist.get_world_size(pp_group)
-
-
-# Without ``config`` these are Megatron's pipeline-rank questions (the pipeline as a ring of
-# ranks). With the schedule's ``config`` (a ScheduleConfig) and a local chunk ``vp_stage`` they ask
-# about that chunk's virtual stage under the schedule's placement: in a V (zbv, dualpipev) rank 0
-# holds the first and the last stage, and the stage after rank r's second chunk is on rank r - 1.
-def _virtual_stage(pp_group, vp_stage: Optional[int], config) -> Optional[int]:
-    if config is None or vp_stage is None:
-        return None
-    return config.stage_of(dist.get_rank(pp_group), vp_stage)
-
-
-def is_pp_first_stage(pp_group, vp_stage: Optional[int] = None, config=None) -> bool:
-    """Whether this rank is the first of its pipeline group (with ``config``: whether its chunk
-    ``vp_stage`` is the model's first virtual stage)."""
-    stage = _virtual_stage(pp_group, vp_stage, config)
-    return _group_rank(pp_group)[0] == 0 if stage is None else stage == 0
-
-
-def is_pp_last_stage(pp_group, vp_stage: Optional[int] = None, config=None) -> bool:
-    """Whether this rank is the last of its pipeline group (with ``config``: whether its chunk
-    ``vp_stage`` is the model's last virtual stage, where the loss is computed)."""
-    stage = _virtual_stage(pp_group, vp_stage, config)
-    if stage is None:
-        rank, size = _group_rank(pp_group)
-        return rank == size - 1
-    return stage == config.num_stages - 1
-
-
-def is_vp_first_stage(vp_stage: Optional[int], vp_size: Optional[int]) -> bool:
-    """Whether ``vp_stage`` is a rank's first chunk (always, without virtual stages)."""
-    return vp_size is None or vp_size <= 1 or vp_stage == 0
-
-
-def is_vp_last_stage(vp_stage: Optional[int], vp_size: Optional[int]) -> bool:
-    """Whether ``vp_stage`` is a rank's last chunk (always, without virtual stages)."""
-    return vp_size is None or vp_size <= 1 or vp_stage == vp_size - 1
-
-
-def _pp_global_rank(pp_group, group_rank: int) -> int:
-    return dist.get_global_rank(pp_group, group_rank % dist.get_world_size(pp_group))
-
-
-def get_pp_first_rank(pp_group) -> int:
-    """Global rank of the first stage of this rank's pipeline."""
-    return _pp_global_rank(pp_group, 0)
-
-
-def get_pp_last_rank(pp_group, config=None) -> int:
-    """Global rank of the last stage of this rank's pipeline (with ``config``: of the rank that
-    holds the last virtual stage, rank 0 in a V)."""
-    if config is not None:
-        return _pp_global_rank(pp_group, config.last_stage_rank)
-    return _pp_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
-
-
-def _neighbour(pp_group, vp_stage: Optional[int], config, step: int) -> Optional[int]:
-    stage = _virtual_stage(pp_group, vp_stage, config)
-    if stage is None:  # the ring of pipeline ranks
-        return _pp_global_rank(pp_group, dist.get_rank(pp_group) + step)
-    if not 0 <= stage + step < config.num_stages:
-        return None
-    return _pp_global_rank(pp_group, config.owner_of(stage + step)[0])
-
-
-def get_pp_next_rank(pp_group, vp_stage: Optional[int] = None, config=None) -> Optional[int]:
-    """Global rank of the next stage (a ring: the last stage's next is the first). With ``config``:
-    the rank holding the virtual stage after this rank's chunk ``vp_stage``, ``None`` after the last."""
-    return _neighbour(pp_group, vp_stage, config, 1)
-
-
-def get_pp_prev_rank(pp_group, vp_stage: Optional[int] = None, config=None) -> Optional[int]:
-    """Global rank of the previous stage (ring). With ``config``: the rank holding the virtual stage
-    before this rank's chunk ``vp_stage``, ``None`` before the first."""
-    return _neighbour(pp_group, vp_stage, config, -1)
-
-
 class _MakeViewless(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
@@ -403,7 +322,5 @@ def make_viewless(e: Any) -> Any:
 
 __all__ = [
     "AbstractSchedulePlan", "NoopScheduleNode", "PlanEvent", "ScheduleNode", "StageDispatchBwdGrad", "Streams",
-    "get_comm_stream", "get_comp_stream", "get_pp_first_rank", "get_pp_last_rank", "get_pp_next_rank",
-    "get_pp_prev_rank", "is_pp_first_stage", "is_pp_last_stage", "is_vp_first_stage", "is_vp_last_stage",
-    "make_viewless", "register_persistent", "set_streams", "unregister_persistent",
+    "get_comm_stream", "get_comp_stream", "make_viewless", "register_persistent", "set_streams", "unregister_persistent",
 ]
