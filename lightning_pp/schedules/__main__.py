@@ -28,7 +28,7 @@ from lightning_pp.schedules.tables import make_config
 
 def build_parser() -> argparse.ArgumentParser:
     names = schedule_names()  # read now: schedules registered before the parser is built are listed
-    two_chunks = [n for n in names if schedule_spec(n).default_vp == 2]
+    two_chunks = [n for n in names if schedule_spec(n).placement == "v"]
     split = [n for n in names if schedule_spec(n).splits_backward]
     parser = argparse.ArgumentParser(
         prog="python -m lightning_pp.schedules",
@@ -125,7 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        vp = args.vp if args.vp is not None else schedule_spec(args.schedule).default_vp
+        vp = args.vp if args.vp is not None else (2 if schedule_spec(args.schedule).placement == "v" else 1)
         cfg = make_config(args.schedule, args.pp, vp, args.num_microbatches, args.group_size)
         split = cfg.spec.splits_backward
         costs = CostModel(
