@@ -64,7 +64,6 @@ from lightning_pp.schedules import (
     split_backwards,
 )
 
-COMPUTE_KINDS = COMPUTE_SPAN_KINDS
 RECV_WAIT = SpanKind.RECV_WAIT
 A2A = SpanKind.A2A
 A2A_WAIT = SpanKind.A2A_WAIT
@@ -142,7 +141,7 @@ class PipelineStats:
 
     def summary(self) -> str:
         """One line: measured vs ideal bubble, step time and per-action costs."""
-        costs = " ".join(f"{kind} {self.costs[kind] * 1e3:.2f}ms" for kind in COMPUTE_KINDS if kind in self.costs)
+        costs = " ".join(f"{kind} {self.costs[kind] * 1e3:.2f}ms" for kind in COMPUTE_SPAN_KINDS if kind in self.costs)
         text = (
             f"{self.config.schedule} pp={self.config.pp} vp={self.config.vp} m={self.config.num_microbatches}: "
             f"bubble {self.bubble_fraction:.1%} (ideal {self.ideal_bubble:.1%}"
@@ -169,7 +168,7 @@ def merge_intervals(intervals: list, gap: float = 0.0) -> list:
 
 
 def _compute_spans(spans: Sequence[Span]) -> list[Span]:
-    return sorted((s for s in spans if s.kind in COMPUTE_KINDS), key=lambda s: (s.start, s.end))
+    return sorted((s for s in spans if s.kind in COMPUTE_SPAN_KINDS), key=lambda s: (s.start, s.end))
 
 
 def _covered(compute: list[Span], spans: Sequence[Span], kind: str) -> list[float]:
@@ -356,7 +355,7 @@ def match_actions(record: RankTimeline, config: ScheduleConfig, pp_rank: int) ->
     """Pair the rank's compute spans, in start order, with its schedule's actions (the executor runs
     them in exactly that order). Where the two disagree (an eval step, another schedule), spans
     are paired with ``None``."""
-    compute = sorted((s for s in record.spans if s.kind in COMPUTE_KINDS), key=lambda s: (s.start, s.end))
+    compute = sorted((s for s in record.spans if s.kind in COMPUTE_SPAN_KINDS), key=lambda s: (s.start, s.end))
     planned = rank_actions(config, pp_rank)
     if len(planned) == len(compute) and all(
         a.kind == s.kind and a.microbatch == s.microbatch and a.chunk == s.chunk for a, s in zip(planned, compute)
@@ -376,7 +375,6 @@ __all__ = [
     "A2A",
     "A2A_WAIT",
     "ALIGNMENTS",
-    "COMPUTE_KINDS",
     "OPTIMIZER",
     "RECV_WAIT",
     "PipelineStats",

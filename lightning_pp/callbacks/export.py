@@ -35,6 +35,7 @@ from lightning_pp.callbacks.analysis import (
 )
 from lightning_pp.callbacks.records import RankTimeline, as_records, gather_spans
 from lightning_pp.schedules import ScheduleConfig, chrome_trace
+from lightning_pp.schedules.render import CATEGORY
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -44,7 +45,6 @@ _TRACK_NAMES = {
     MEASURED_TID: "measured",
     WAITS_TID: "waits (p2p receive, all-to-all)",
 }
-_CATEGORY = {"F": "forward", "B": "backward", "FB": "forward_backward", "W": "weight_grad"}
 _WAIT_KINDS = (RECV_WAIT, A2A_WAIT)
 
 
@@ -150,7 +150,7 @@ def _measured_events(record: RankTimeline, stats: PipelineStats, config: Schedul
         b, w = busy[id(span)]
         args = dict(action.to_dict(), track="measured", busy_ms=b * 1e3, recv_wait_ms=w * 1e3)
         events.append({
-            "name": action.describe(), "cat": _CATEGORY.get(span.kind, str(span.kind)), "ph": "X",
+            "name": action.describe(), "cat": CATEGORY.get(span.kind, str(span.kind)), "ph": "X",
             "ts": (span.start + shift) * _US, "dur": (span.end - span.start) * _US,
             "pid": record.rank, "tid": MEASURED_TID, "args": args,
         })

@@ -4,7 +4,7 @@ Forward of one block (``T`` tokens, ``E`` experts, top ``k``)::
 
     h = x + attn(ln1(x));  t = ln2(h)                       # attn slot (compute)
     probs, idx = router(t)        (+ aux / z loss through autograd)
-    permute t by expert id -> (T*k, H), exchange counts       #
+    permute t by expert id -> (T*k, H), exchange counts
     all-to-all to the ranks that own the experts              # dispatch slot (comm)
     run the local experts on their tokens                     # mlp slot (compute)
     all-to-all back                                           # combine slot (comm)

@@ -3,7 +3,7 @@
 The runtime calls these methods where a module has them (``isinstance`` against the
 ``runtime_checkable`` protocols below, which look at the methods only). Nothing else is duck-typed.
 
-* :class:`PipelineModel`: the user's module (DESIGN.md's three methods, and the optional ones).
+* :class:`PipelineModel`: the user's module (two required methods, and the optional ones).
 * :class:`OwnsSchedulePlan`: a layer (or a one-layer chunk) that brings its own fine-grained
   plan class (:mod:`lightning_pp.runtime.plans.plan`).
 * :class:`ProvidesScheduleNodes`: a layer that communicates inside its forward (an

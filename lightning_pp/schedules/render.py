@@ -224,7 +224,8 @@ def _action_args(action: Action, cfg: ScheduleConfig, rank: int) -> dict:
     return {"microbatch": action.microbatch, "chunk": action.chunk, "stage": cfg.stage_of(rank, action.chunk)}
 
 
-_CATEGORY = {FORWARD: "forward", BACKWARD: "backward", FORWARD_BACKWARD: "forward_backward", WEIGHT_GRAD: "weight_grad"}
+#: The Chrome-trace category of each action kind (the measured traces of the monitor use it too).
+CATEGORY = {FORWARD: "forward", BACKWARD: "backward", FORWARD_BACKWARD: "forward_backward", WEIGHT_GRAD: "weight_grad"}
 
 
 def chrome_trace(result: SimulationResult, cfg: ScheduleConfig, us_per_unit: float = 1000.0) -> dict:
@@ -243,7 +244,7 @@ def chrome_trace(result: SimulationResult, cfg: ScheduleConfig, us_per_unit: flo
         events.append(
             {
                 "name": action.describe(),
-                "cat": _CATEGORY.get(action.kind, action.kind),
+                "cat": CATEGORY.get(action.kind, action.kind),
                 "ph": "X",
                 "ts": start * us_per_unit,
                 "dur": (end - start) * us_per_unit,

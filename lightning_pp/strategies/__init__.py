@@ -1,4 +1,5 @@
-"""Lightning Trainer and Fabric strategies (the only layer that imports Lightning).
+"""Lightning Trainer and Fabric strategies (the layer built on Lightning; the monitor callback and the
+litgpt integration use it too, the layers below never do: tests/test_imports.py).
 
 The classes are imported on first access, so importing the package stays cheap.
 """

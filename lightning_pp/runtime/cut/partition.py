@@ -1,6 +1,6 @@
 """Cutting a model that implements the pipeline protocol into virtual-stage chunks.
 
-The protocol (see DESIGN.md)::
+The protocol (:class:`~lightning_pp.runtime.protocols.PipelineModel`)::
 
     pipeline_layers() -> list[nn.Module]   # ordered; layer i's output is layer i+1's input
     pipeline_loss(output, batch)           # last stage, per microbatch: mean, or (sum, count)
@@ -42,7 +42,7 @@ def check_protocol(module: Any) -> None:
 
 
 def default_pipeline_inputs(batch: Any) -> Any:
-    """``batch[0]`` for tuples/lists, ``batch["input"]``-less dicts are passed whole, else the batch."""
+    """``batch[0]`` for tuples and lists; any other batch (a dict, a tensor) is passed whole."""
     if isinstance(batch, (tuple, list)):
         return batch[0]
     return batch

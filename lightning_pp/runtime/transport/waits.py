@@ -13,6 +13,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from lightning_pp.runtime.plans import context
+from lightning_pp.runtime.timeline import SpanKind
 
 
 class LaunchedWork:
@@ -68,9 +69,9 @@ def wait_for(works: Sequence[Any], timeline=None, microbatch: int = -1, chunk: i
             launched = getattr(work, "launched", None)
             if launched is not None:
                 # Already complete when the wait began: it finished at the latest then.
-                timeline.add("a2a", microbatch, chunk, launched, after if after - before > 1e-5 else before)
+                timeline.add(SpanKind.A2A, microbatch, chunk, launched, after if after - before > 1e-5 else before)
     if recording:
-        timeline.add("a2a_wait", microbatch, chunk, start, timeline.now())
+        timeline.add(SpanKind.A2A_WAIT, microbatch, chunk, start, timeline.now())
 
 
 class BoundedWait:
