@@ -37,8 +37,8 @@ class PipelineMonitor(Callback):
     ``ideal_bubble_rank{r}`` (simulator, same configuration, measured action costs),
     ``forward_ms`` / ``backward_ms`` (/ ``forward_backward_ms``) mean action costs, ``step_ms``
     (compute window), ``recv_wait_ms`` (mean per rank), ``optimizer_ms``, ``a2a_hidden`` (the share
-    of expert all-to-all time hidden under compute, where the model has any), ``samples_per_s`` and ``tokens_per_s``. The progress bar
-    shows ``pp_bubble`` and ``pp_ideal``. Definitions: :mod:`lightning_pp.callbacks.analysis`.
+    of expert all-to-all time hidden under compute, where the model has any), ``samples_per_s`` and
+    ``tokens_per_s``. The progress bar shows ``pp_bubble`` and ``pp_ideal``. Definitions: :mod:`lightning_pp.callbacks.analysis`.
 
     Args:
         every_n_steps: analyse every n-th training batch (1-based: batches n, 2n, ...). Every rank
