@@ -51,7 +51,23 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     """``fn(rank, world_size, *args)`` on ``world_size`` processes; results indexed by rank.
     Raises :class:`DistributedFailure` (with every rank's error and exit code) if any rank fails
     or the deadline passes (then all processes are killed). ``daemon=False`` for ranks that start
-    processes of their own (DataLoader workers); they are still killed at the deadline."""
+    processes of their own (DataLoader workers); they are still killed at the deadline.
+
+    The port is found free just before the ranks start, and another process can take it in
+    between (seen once in CI: ``EADDRINUSE`` from rank 0's store): such a launch, which ran nothing
+    of ``fn``, is repeated on a new port, up to twice."""
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, timeout, daemon)
+        except DistributedFailure as failure:
+            lost_port = any(("EADDRINUSE" in str(e) or "address already in use" in str(e)) and "init_process_group" in str(e)
+                            for e in failure.errors.values())
+            if not lost_port or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float, daemon: bool) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
