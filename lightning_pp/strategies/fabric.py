@@ -28,7 +28,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_pp.runtime.build import executor_of
+from lightning_pp.runtime.build import executor_of, find_executor
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.cut.meta import has_meta_tensors
 from lightning_pp.strategies import checkpoint as ckpt
@@ -165,9 +165,9 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
+        already_cut = find_executor(module) is not None  # set up before: its functions are wrapped already
         executor = self.engine.setup_module(module, self.root_device)
-        if not getattr(executor, "_lpp_fabric_precision", False):
-            executor._lpp_fabric_precision = True
+        if not already_cut:
             self._apply_precision_at_the_model_boundary(executor)
         # What was materialised from the meta device after the cut takes the precision's dtype, as
         # Fabric converted the rest before (a no-op otherwise).
