@@ -8,7 +8,9 @@ summary lines: ratio_vs_torch_<schedule> for 1f1b, interleaved, zb1p, zb1p_vp2, 
 ratio_best_vs_torch_best, bubble_measured_over_simulated_<schedule> (and ``_calibrated``, with the
 measured transfer cost; ``_per_stage`` and ``_per_stage_calibrated``, with each stage's own costs),
 a2a_hidden_fraction, ratio_vs_torch_moe_combined,
-ratio_vs_torch_moe_dualpipev, peak_memory_ratio_vs_torch, monitor_overhead, batch_check_bound,
+ratio_vs_torch_moe_dualpipev, peak_memory_ratio_vs_torch, sharded_state_bytes_ratio,
+sharded_peak_memory_ratio, sharded_step_ratio, ratio_vs_torch_fsdp_1f1b (and its peak memory),
+reduce_scatter_hidden_fraction, monitor_overhead, batch_check_bound,
 rng_streams_bound, schedule_generate_simulate_seconds, and the supporting figures.
 """
 
@@ -90,6 +92,11 @@ def main(argv=None) -> dict:
          "peak_memory_ratio_vs_torch_sends_waited": "peak_memory_ratio_vs_torch_sends_waited",
          "peak_memory_over_1f1b_bound": "peak_memory_over_1f1b_bound",
          "peak_memory_checkpointed_over_plain": "peak_memory_checkpointed_over_plain"})
+    section("Sharded data parallelism inside the stages (FSDP2)", "bench_sharding", argparse.Namespace(
+        hidden=768, blocks=8, microbatches=4, batch=128, steps=10, quick=q),
+        {name: name for name in ("sharded_state_bytes_ratio", "sharded_peak_memory_ratio", "sharded_step_ratio",
+                                 "ratio_vs_torch_fsdp_1f1b", "peak_memory_ratio_vs_torch_fsdp_1f1b",
+                                 "reduce_scatter_hidden_fraction")})
     section("Timeline recording and monitor overhead", "bench_monitor_overhead", {"wait_quiet": 0.0},
             {"monitor_overhead": "monitor_overhead", "timeline_overhead": "timeline_overhead"})
     section("Exactness guards: batch check, batch broadcast, random streams", "bench_exactness_overhead",

@@ -1,7 +1,7 @@
 """Parameters that change after the pipeline is set up: frozen or unfrozen later (a fine-tuning
 schedule) trains exactly as on one device; replaced or wrapped later (``fully_shard`` in
 ``configure_optimizers``) raises at the first step, naming the parameter, on every rank; DTensor
-parameters at setup (``fully_shard`` in ``configure_model``) are refused by name."""
+parameters at setup that no FSDP2 unit of a layer drives are refused by name."""
 
 from __future__ import annotations
 
@@ -67,16 +67,16 @@ class ShardedInConfigureOptimizers(FreezeFirstEpoch):
         return super().configure_optimizers()
 
 
-class ShardedInConfigureModel(FreezeFirstEpoch):
-    """fully_shard in configure_model, Lightning's ModelParallelStrategy convention: before the cut,
-    so the pipeline sees DTensor parameters at setup (refused: sharding inside stages is not
-    supported yet)."""
+class DistributedInConfigureModel(FreezeFirstEpoch):
+    """A DTensor parameter the pipeline does not drive (as tensor parallelism makes), set in
+    configure_model: refused at setup by name. (fully_shard there is driven: tests/test_sharding_trainer.py.)"""
 
     def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate, distribute_tensor
 
         for block in self.blocks:
-            fully_shard(block, mesh=self.device_mesh["dp"])
+            block.norm.weight = nn.Parameter(distribute_tensor(block.norm.weight.detach(), self.device_mesh["dp"],
+                                                               [Replicate()]))
 
 
 def _dataset(n=32):
@@ -122,7 +122,7 @@ def _run(rank, world):
         sharded = f"{type(exc).__name__}: {exc}"
     try:
         L.Trainer(devices=world, strategy=PipelineStrategy(pipeline_parallel_size=2, num_microbatches=2), **TRAINER).fit(
-            ShardedInConfigureModel(), DataLoader(_dataset(), batch_size=BATCH))
+            DistributedInConfigureModel(), DataLoader(_dataset(), batch_size=BATCH))
         at_setup = None
     except Exception as exc:  # noqa: BLE001
         at_setup = f"{type(exc).__name__}: {exc}"
@@ -148,5 +148,6 @@ def test_parameters_frozen_later_train_exactly_and_parameters_replaced_later_rai
         block = "blocks.0." if rank < 2 else "blocks.2."  # stage 0 holds blocks 0-1, stage 1 blocks 2-3
         assert f"{block}norm.weight" in sharded and "DTensor" in sharded and "configure_model" in sharded, sharded
         assert at_setup is not None and "are DTensors when the pipeline is set up" in at_setup, f"rank {rank}: {at_setup}"
+        assert "data_parallel_sharding='full'" in at_setup, at_setup
         assert f"{block}norm.weight" in at_setup, at_setup
     assert seen == set(expected)

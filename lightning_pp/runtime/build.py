@@ -22,6 +22,7 @@ from lightning_pp.runtime.cut.partition import (
 from lightning_pp.runtime.layer import checkpointed_layers
 from lightning_pp.runtime.protocols import ExpertParallelLayer
 from lightning_pp.runtime.step.executor import PipelineExecutor
+from lightning_pp.runtime.step.sharding import shard_stage
 from lightning_pp.runtime.topology import Topology, build_topology
 
 
@@ -74,13 +75,17 @@ def build_pipeline(
     partition = cut_model(module, schedule.pp, schedule.vp, topology.pp_rank, config.layout, layers=layers,
                           placement=schedule.placement)
     setup_expert_parallel(partition, topology, device)
+    sharding = None
     if has_meta_tensors(module):  # built on the meta device: only what stays here gets memory
-        init_fn = getattr(module, "pipeline_init_weights", None)
-        partition.follow(materialize(module, device, torch.initial_seed(), init_fn))
+        init_fn, seed = getattr(module, "pipeline_init_weights", None), torch.initial_seed()
+        if config.data_parallel_sharding == "full" and topology.dp > 1:  # each layer sharded once made
+            sharding = shard_stage(module, partition, topology,
+                                   prepare=lambda layer: materialize(module, device, seed, init_fn, within=layer))
+        partition.follow(materialize(module, device, seed, init_fn))
     partition.forget_freed(module)  # before anything new is made: a new object may reuse a freed id
     add_frozen_stage_placeholder(module, partition)
     module.to(device)
-    executor = PipelineExecutor(module, partition, topology, resolved, device=device)
+    executor = PipelineExecutor(module, partition, topology, resolved, device=device, sharding=sharding)
     module._lpp_executor = executor  # not a submodule: a plain attribute (see executor_of)
     return executor
 

@@ -17,6 +17,7 @@ from typing import Literal, Optional, Union
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.layer import CheckpointPolicy, checkpointed_layers
+from lightning_pp.runtime.step.sharding import DataParallelSharding, check_sharding_mode
 from lightning_pp.runtime.topology import ParallelDims
 from lightning_pp.schedules import ScheduleConfig, default_num_microbatches, make_config, schedule_spec
 from lightning_pp.schedules.tables import positive_int
@@ -78,10 +79,14 @@ class PipelineConfig:
     """Compare every step a fingerprint of each stage's batch: ``"raise"``, ``"warn"`` or ``"off"``."""
     broadcast_batches: bool = False
     """Use pipeline rank 0's batch on every stage (one broadcast per step) instead of checking."""
+    data_parallel_sharding: DataParallelSharding = "none"
+    """``"full"``: each stage's parameters, gradients and optimizer state sharded over its
+    data-parallel replicas with FSDP2 (experts over the expert-data-parallel ones); ``"none"``: whole."""
 
     def __post_init__(self) -> None:
         check_nonfinite_policy(self.nonfinite)
         check_batch_policy(self.check_batches, self.broadcast_batches)
+        check_sharding_mode(self.data_parallel_sharding)
         schedule_spec(self.schedule)  # a known schedule (names them otherwise)
         if not isinstance(self.static_shapes, bool):
             raise ValueError(f"static_shapes={self.static_shapes!r} is invalid: pass True or False.")

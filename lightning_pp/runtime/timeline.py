@@ -41,6 +41,10 @@ class SpanKind(str, Enum):
     A2A = "a2a"  # an expert all-to-all, from launch until it is known complete
     A2A_WAIT = "a2a_wait"  # blocked on an expert all-to-all
     OPTIMIZER = "optimizer"  # the optimizer step (recorded by the monitor callback)
+    GATHER = "gather"  # a sharded chunk's parameter all-gather, from posted to waited for
+    GATHER_WAIT = "gather_wait"  # blocked on it, before the chunk's first action
+    REDUCE_SCATTER = "reduce_scatter"  # a sharded chunk's gradient reduce-scatter, posted to waited for
+    REDUCE_SCATTER_WAIT = "reduce_scatter_wait"  # blocked on it, at the end of the step
 
     def __str__(self) -> str:
         # The value, as the plain strings printed (not Enum's "SpanKind.RECV_WAIT").

@@ -76,7 +76,8 @@ class Topology:
     dp_group: Optional[dist.ProcessGroup] = None
     ep_group: Optional[dist.ProcessGroup] = None
     edp_group: Optional[dist.ProcessGroup] = None
-    mesh: object = None
+    mesh: object = None  # the ("pp", "edp", "ep") device mesh
+    dp_mesh: object = None  # its flattened data-parallel dimension ("dp": edp x ep), kept here
 
     @property
     def pp(self) -> int:
@@ -136,4 +137,5 @@ def build_topology(pp: int, ep: int = 1, device_type: str = "cpu") -> Topology:
         ep_group=mesh.get_group("ep"),
         edp_group=mesh.get_group("edp"),
         mesh=mesh,
+        dp_mesh=dp_mesh,
     )

@@ -58,6 +58,7 @@ from lightning_pp.strategies.optimizer_state import (  # re-exported: the strate
     load_optimizer_state,
     optimizer_index,
     optimizer_state,
+    sharded_as,
 )
 
 META_FILE = "meta.pt"
@@ -87,6 +88,7 @@ def layout_of(executor) -> dict:
         "data_parallel_size": topology.dp,
         "layers_per_stage": list(executor.partition.layout),
         "schedule": config.schedule,
+        "data_parallel_sharding": executor.pipeline.config.data_parallel_sharding,
     }
 
 
@@ -97,7 +99,8 @@ def describe_layout(layout: Optional[dict]) -> str:
     return (
         f"pp={layout['pipeline_parallel_size']} x vp={layout['virtual_pipeline_size']} "
         f"(layers per virtual stage {layers}, {sum(layers)} layers), ep={layout['expert_parallel_size']}, "
-        f"dp={layout['data_parallel_size']}, world size {layout['world_size']}"
+        f"dp={layout['data_parallel_size']}{' (sharded)' if layout.get('data_parallel_sharding') == 'full' else ''}, "
+        f"world size {layout['world_size']}"
     )
 
 
@@ -255,7 +258,8 @@ def load_full_state_dict(module: nn.Module, state_dict: dict, strict: bool = Tru
     missing = [k for k in own if k not in state_dict]
     if strict and missing:
         raise KeyError(f"the checkpoint lacks {len(missing)} parameter(s) this stage holds, e.g. {missing[:3]}")
-    module.load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False)
+    # A sharded parameter takes its shard of the whole tensor (every rank read the same file).
+    module.load_state_dict({k: sharded_as(own[k], v) for k, v in state_dict.items() if k in own}, strict=False)
 
 
 __all__ = [

@@ -33,6 +33,7 @@ from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.cut.meta import has_meta_tensors
 from lightning_pp.strategies import checkpoint as ckpt
 from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig
+from lightning_pp.runtime.step.sharding import DataParallelSharding
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
 from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin
@@ -91,6 +92,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         static_shapes: bool = True,
         check_batches: BatchCheck = "raise",
         broadcast_batches: bool = False,
+        data_parallel_sharding: DataParallelSharding = "none",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

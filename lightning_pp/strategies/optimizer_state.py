@@ -34,6 +34,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_pp.runtime.build import find_executor
+from lightning_pp.runtime.step.sharded_grads import is_dtensor, shard_like
 
 PARAM_ORDER_RULE = (
     "A checkpoint's optimizer state is matched to parameters by position, as on one device: "
@@ -213,10 +214,18 @@ def _assign(index: OptimizerIndex, optimizer: torch.optim.Optimizer, state: dict
                 if p in optimizer.state:  # not the model's (a placeholder): keep what it has
                     local_state[k] = optimizer.state[p]
             elif i in state:
-                local_state[k] = state[i]
+                local_state[k] = {key: sharded_as(p, value) for key, value in state[i].items()}
             k += 1
         local_groups.append(packed)
     optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+
+def sharded_as(param: torch.Tensor, value: Any) -> Any:
+    """A whole state tensor of a sharded parameter (read from a checkpoint saved without sharding,
+    or at another data-parallel size) laid out as the parameter is: this rank's shard."""
+    if is_dtensor(param) and isinstance(value, torch.Tensor) and not is_dtensor(value) and value.shape == param.shape:
+        return shard_like(param, value)
+    return value
 
 
 def load_optimizer_state(module: nn.Module, optimizer: Any, state_dict: dict, where: str = "the checkpoint") -> None:

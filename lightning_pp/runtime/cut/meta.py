@@ -33,15 +33,21 @@ def init_seed(seed: int, name: str) -> int:
 
 
 def materialize(module: nn.Module, device: torch.device, seed: int,
-                init_fn: Optional[Callable[[nn.Module], None]] = None) -> dict[int, nn.Parameter]:
+                init_fn: Optional[Callable[[nn.Module], None]] = None,
+                within: Optional[nn.Module] = None) -> dict[int, nn.Parameter]:
     """Give every meta parameter and buffer still in ``module`` storage on ``device`` and initialise
     the modules holding them (see the module docstring). A parameter shared by several modules
     stays shared; attributes set on a parameter (e.g. ``_lpp_expert``) are kept. Returns
     ``{id(meta parameter): its replacement}`` so that whoever indexed the meta parameters can
-    follow. Raises ``ValueError``, naming them, for modules it cannot initialise."""
+    follow. Raises ``ValueError``, naming them, for modules it cannot initialise. ``within``: only
+    the modules of that subtree (named as in ``module``, so seeded alike), e.g. one layer at a time
+    where each is sharded as soon as it exists."""
     replaced: dict[int, nn.Parameter] = {}
     touched: list[tuple[str, nn.Module]] = []
+    inside = None if within is None else {id(m) for m in within.modules()}
     for name, sub in module.named_modules():
+        if inside is not None and id(sub) not in inside:
+            continue
         meta = False
         for key, p in list(sub._parameters.items()):
             if p is None or not p.is_meta:

@@ -42,6 +42,7 @@ from lightning_pp.runtime.cut.partition import Partition, default_pipeline_input
 from lightning_pp.runtime.plans.plan import set_streams
 from lightning_pp.runtime.protocols import HoldsResources, StepObserver
 from lightning_pp.runtime.step.rng import StageRNG
+from lightning_pp.runtime.step.sharding import StageSharding, adopt_user_sharding, shard_stage
 from lightning_pp.runtime.step.stage import StageRunner, StepState
 from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
@@ -94,7 +95,8 @@ class PipelineExecutor:
     def __init__(self, module: nn.Module, partition: Partition, topology: Topology, pipeline: ResolvedPipeline,
                  device: torch.device = torch.device("cpu"), loss_fn: Optional[Callable] = None,
                  inputs_fn: Optional[Callable] = None, board: Optional[FailureBoard] = None,
-                 broadcast_parameters: bool = True, record_timeline: bool = True) -> None:
+                 broadcast_parameters: bool = True, record_timeline: bool = True,
+                 sharding: Optional[StageSharding] = None) -> None:
         options, schedule = pipeline.config, pipeline.schedule
         self.pipeline, self.schedule = pipeline, schedule
         self.module, self.partition, self.topology, self.device = module, partition, topology, device
@@ -122,9 +124,19 @@ class PipelineExecutor:
         self.p2p = PointToPoint(topology.pp_group, topology.global_rank, device, self.timeout, topology.describe,
                                 timeline=self.timeline, position=self.position)
         self.wait_collective = BoundedWait(self.timeout, topology.describe, self.position)
-        self.grad_sync = GradientSync(partition, topology, self.actions, module)
+        # Sharded data parallelism (runtime.step.sharding): the user's own fully_shard units, adopted
+        # as they are, or (data_parallel_sharding="full") the layers sharded here, after the replicas
+        # took dp rank 0's values (a sharded parameter's shards are its only copy).
+        # (``sharding``: the layers build_pipeline sharded as it materialised them from the meta device.)
+        self.sharding = sharding or adopt_user_sharding(module, partition, topology, options.data_parallel_sharding)
+        self.grad_sync = GradientSync(partition, topology, self.actions, module, sharding=self.sharding)
         if broadcast_parameters:
             self.grad_sync.broadcast_parameters()
+        if options.data_parallel_sharding == "full" and sharding is None:
+            self.sharding = shard_stage(module, partition, topology)
+            self.grad_sync.adopt_sharding(self.sharding)
+        if self.sharding is not None:
+            self.sharding.timeline = self.timeline
         self.steps_done = 0
         watchdog = options.watchdog_config
         self.diagnosis = Diagnosis(self.board, topology.dims.world_size, topology.describe, watchdog,
@@ -254,6 +266,8 @@ class PipelineExecutor:
     def _abort(self) -> None:
         self.p2p.reset()
         self.grad_sync.abandon()
+        if self.sharding is not None:
+            self.sharding.abandon()
 
     def _step(self, batch: Any, train: bool, compute_loss: bool = True, collect: bool = False,
               grad_scale: float = 1.0) -> StepResult:
@@ -276,8 +290,13 @@ class PipelineExecutor:
             self.grad_sync.begin_step(actions)
         self.timeline.begin_step()
         self.guard.actions_started = True
+        if self.sharding is not None:  # every unit's all-gather posted, in the order of first use
+            self.sharding.gather(list(dict.fromkeys(c for a in actions for c in _chunks_of(a))))
         for index, action in enumerate(actions):
             self.position.action = action
+            if self.sharding is not None and self.stage.use_plans:  # plain layers wait in their forward
+                for chunk in _chunks_of(action):
+                    self.sharding.wait(chunk)
             with self.timeline.span(action.kind, action.microbatch, action.chunk, device_side=True):
                 fwd, bwd = action.forward_part(), action.backward_part()
                 if fwd is not None and bwd is not None:
@@ -291,9 +310,12 @@ class PipelineExecutor:
             if train:
                 self.grad_sync.after_action(index)
         self.position.action = None
+        if self.sharding is not None and not train:
+            self.sharding.release_all()
         self.p2p.finish()
         totals = self.step_end.run(state.loss_sum, state.count, train=train, compute_loss=compute_loss,
-                                   fingerprint=fingerprint, stage_params=self.grad_sync.stage_params, step=self.steps_done,
+                                   fingerprint=fingerprint, stage_flags=lambda: self.grad_sync.nonfinite_flags(self.device),
+                                   step=self.steps_done,
                                    nonfinite=self.nonfinite, check_batches=self.check_batches,
                                    wait=self.wait_collective)
         if train:
@@ -301,6 +323,11 @@ class PipelineExecutor:
         self.timeline.end_step()
         return StepResult(loss=totals.loss, num_samples=totals.count, outputs=state.outputs,
                           nonfinite=totals.nonfinite)
+
+
+def _chunks_of(action: Action) -> tuple[int, ...]:
+    """The local chunks an action runs (both halves of an FB)."""
+    return tuple(part[1] for part in (action.forward_part(), action.backward_part()) if part is not None) or (action.chunk,)
 
 
 def _shapes_key(microbatches: list) -> tuple:

@@ -21,6 +21,10 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_pp.runtime.cut.partition import Partition, tie_groups_for
+from lightning_pp.runtime.step.loss import grads_nonfinite
+from lightning_pp.runtime.step.sharded_grads import ShardedBucket, is_dtensor
+from lightning_pp.runtime.step.sharded_grads import local as local_of
+from lightning_pp.runtime.step.sharding import StageSharding
 from lightning_pp.runtime.topology import Topology
 from lightning_pp.schedules import WEIGHT_GRAD, Action
 
@@ -44,9 +48,13 @@ def _flatten_with_presence(params: Sequence[torch.Tensor]) -> torch.Tensor:
     element per parameter, 1 where it has a gradient: summed over replicas, a count of the replicas
     that produced one, so the reduction itself tells whether the sum is a gradient or no gradient
     at all, as on one device, without another collective."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    presence = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
-    return _flatten_dense_tensors(grads + [presence])
+    return _flatten_grads([p.grad for p in params], params)
+
+
+def _flatten_grads(grads: Sequence[Optional[torch.Tensor]], like: Sequence[torch.Tensor]) -> torch.Tensor:
+    filled = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, like)]
+    presence = torch.tensor([g is not None for g in grads], dtype=filled[0].dtype, device=filled[0].device)
+    return _flatten_dense_tensors(filled + [presence])
 
 
 def _unflatten_with_presence(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
@@ -98,15 +106,27 @@ class GradientSync:
     nothing here would reduce, scale or check."""
 
     def __init__(self, partition: Partition, topology: Topology, actions: list[Action],
-                 module: Optional[torch.nn.Module] = None) -> None:
+                 module: Optional[torch.nn.Module] = None, sharding: Optional[StageSharding] = None) -> None:
         self.topology = topology
         self.partition = partition
         self.tie_groups = create_tie_groups(partition, topology)
+        self.sharding = sharding
+        self._actions = actions
+        self.module = module
+        self._index()
+
+    def adopt_sharding(self, sharding: Optional[StageSharding]) -> None:
+        """The chunks' parameters were sharded (``runtime.step.sharding``): index the new ones."""
+        self.sharding = sharding
+        self._index()
+
+    def _index(self) -> None:
+        partition, topology = self.partition, self.topology
         by_id = {}
         for chunk in partition.chunks:
             for p in chunk.parameters():
                 by_id.setdefault(id(p), p)
-        _refuse_distributed_tensors(by_id.values(), partition.parameter_names)
+        _refuse_distributed_tensors(by_id.values(), partition.parameter_names, self.sharding)
         self.params = list(by_id.values())
         # Each parameter once, with the first local chunk holding it: the inf/nan check is per
         # virtual stage, so a non-finite gradient is named by the stage whose parameter holds it.
@@ -135,10 +155,8 @@ class GradientSync:
                                        f"the cut assigned it to (pipeline ranks {pp_ranks}).")
                 params.append(local_by_name[tie.name])
             self.ties.append(_TieGroup(group, src, params))
-        self._actions = actions
-        self.buckets: list[_Bucket] = self._make_buckets(actions)
-        self.begin_step(actions)
-        self.module = module
+        self.buckets: list = self._make_buckets(self._actions)
+        self.begin_step(self._actions)
         self._watched = self._signature()
 
     def _make_buckets(self, actions: list[Action]) -> list[_Bucket]:
@@ -154,16 +172,22 @@ class GradientSync:
                 holders.setdefault(id(p), set()).add(chunk_id)
         grouped: dict[tuple[tuple[int, ...], bool], list] = {}
         for p in self.params:
-            if p.requires_grad:
+            if p.requires_grad and not is_dtensor(p):
                 grouped.setdefault((tuple(sorted(holders[id(p)])), is_expert_parameter(p)), []).append(p)
         finish = _chunk_finish(actions)
-        buckets = []
-        for (chunks, expert), params in sorted(grouped.items(), key=lambda kv: (max(finish[c] for c in kv[0][0]), kv[0][1])):
+        buckets: list = []
+        for (chunks, expert), params in grouped.items():
             group = topology.edp_group if expert else topology.dp_group
             size = topology.dims.edp if expert else topology.dp
             if size > 1:
                 buckets.append(_Bucket(params, group, chunks))
-        return buckets
+        if self.sharding is not None:  # every sharded chunk's units, trainable or not: a fixed set
+            for chunk in self.sharding.chunks:
+                for expert in sorted({unit.expert for unit in self.sharding.by_chunk[chunk]}):
+                    group = topology.edp_group if expert else topology.dp_group
+                    buckets.append(ShardedBucket(self.sharding, chunk, expert, group, self.partition.chunks[chunk].stage))
+        order = {id(b): (max(finish[c] for c in b.chunks), _is_expert_bucket(b), b.chunks) for b in buckets}
+        return sorted(buckets, key=lambda b: order[id(b)])
 
     # -- the parameters the optimizer steps must stay the ones set up ---------------------------
     def _signature(self) -> tuple:
@@ -212,10 +236,11 @@ class GradientSync:
         copies take the first stage's."""
         with torch.no_grad():
             for bucket in self.buckets:
-                src = dist.get_process_group_ranks(bucket.group)[0]
-                self._broadcast([p.data for p in bucket.params], src, bucket.group)
+                if isinstance(bucket, _Bucket):  # a sharded parameter's shards are its only copy
+                    src = dist.get_process_group_ranks(bucket.group)[0]
+                    self._broadcast([p.data for p in bucket.params], src, bucket.group)
             for tie in self.ties:
-                self._broadcast([p.data for p in tie.params], tie.src, tie.group)
+                self._broadcast([local_of(p).data for p in tie.params], tie.src, tie.group)
 
     @staticmethod
     def _broadcast(tensors: list[torch.Tensor], src: int, group) -> None:
@@ -228,6 +253,13 @@ class GradientSync:
         """Launch every bucket whose chunks have finished their backward at action ``index``."""
         for bucket in self.buckets:
             if bucket.launch_after <= index and bucket.work is None:
+                if isinstance(bucket, ShardedBucket):
+                    # The chunk's gathered parameters go first (its backward is done), then each
+                    # gathered gradient as it is copied into the reduction's buffer: the buffer never
+                    # coexists with both.
+                    self.sharding.release(bucket.chunk)
+                    bucket.launch(grads_nonfinite_of)
+                    continue
                 bucket.flat = _flatten_with_presence(bucket.params)
                 bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
@@ -240,21 +272,67 @@ class GradientSync:
         for bucket in self.buckets:
             if bucket.work is None:  # a chunk with no backward on this rank's schedule
                 self.after_action(bucket.launch_after)
+            if isinstance(bucket, ShardedBucket):
+                bucket.finish(wait)
+                continue
             wait(bucket.work, "the data-parallel gradient all-reduce")
             _unflatten_with_presence(bucket.params, bucket.flat)
             bucket.flat, bucket.work = None, None
+        if self.sharding is not None:
+            self.sharding.release_all()
         for tie in self.ties:
-            flat = _flatten_with_presence(tie.params)
-            wait(dist.all_reduce(flat, group=tie.group, async_op=True), "the tied-parameter gradient all-reduce")
-            _unflatten_with_presence(tie.params, flat)
+            _reduce_tie(tie, wait)
         if scale != 1.0:
             for p in self.params:
                 if p.grad is not None:
-                    p.grad.mul_(scale)
+                    local_of(p.grad).mul_(scale)
+
+    def nonfinite_flags(self, device: torch.device) -> list[tuple[int, torch.Tensor]]:
+        """(virtual stage, 1.0 if a gradient of its parameters on this rank holds inf/nan), before
+        the reductions: a sharded chunk's were checked when its reduce-scatter was posted."""
+        flags = [(stage, grads_nonfinite(params, device)) for stage, params in self.stage_params]
+        flags += [(b.stage, b.flag) for b in self.buckets if isinstance(b, ShardedBucket) and b.flag is not None]
+        return flags
 
     def abandon(self) -> None:
         for bucket in self.buckets:
-            bucket.flat, bucket.work = None, None
+            if isinstance(bucket, ShardedBucket):
+                bucket.abandon()
+            else:
+                bucket.flat, bucket.work = None, None
+
+
+def _is_expert_bucket(bucket) -> bool:
+    return bucket.expert if isinstance(bucket, ShardedBucket) else is_expert_parameter(bucket.params[0])
+
+
+class _Grad(NamedTuple):
+    grad: torch.Tensor
+
+
+def grads_nonfinite_of(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return grads_nonfinite([_Grad(g) for g in grads], device)
+
+
+def _reduce_tie(tie: _TieGroup, wait) -> None:
+    """Sum a tied parameter's copies' gradients (their local shards where sharded: every copy is
+    sharded alike over the same data-parallel slot)."""
+    shards = [local_of(p) for p in tie.params]
+    flat = _flatten_grads([None if p.grad is None else local_of(p.grad) for p in tie.params], shards)
+    wait(dist.all_reduce(flat, group=tie.group, async_op=True), "the tied-parameter gradient all-reduce")
+    *reduced, presence = _unflatten_dense_tensors(flat, shards + [flat.new_empty(len(shards))])
+    for p, value, present in zip(tie.params, reduced, presence.tolist()):
+        if present <= 0:
+            p.grad = None
+        elif p.grad is not None:
+            local_of(p.grad).copy_(value)
+        elif is_dtensor(p):
+            from torch.distributed.tensor import DTensor
+
+            p.grad = DTensor.from_local(value.clone(), p.device_mesh, p.placements, shape=p.shape,
+                                        stride=p.stride(), run_check=False)
+        else:
+            p.grad = value.clone()
 
 
 def _changed_message(module: str, new: list[str], gone: list[str], named: dict) -> str:
@@ -270,25 +348,28 @@ def _changed_message(module: str, new: list[str], gone: list[str], named: dict) 
         f"added later (fully_shard or a module swap in configure_optimizers or a callback) would train with "
         f"wrong gradients. Change the modules before the cut: in configure_model (Trainer, which runs before "
         f"the pipeline is set up) or before fabric.setup_module (Fabric), and build the optimizers from the "
-        f"module's parameters after it. (fully_shard inside pipeline stages is not supported yet.)"
+        f"module's parameters after it. To shard over the data-parallel replicas, pass data_parallel_sharding='full' or apply "
+        f"fully_shard to the pipeline layers in configure_model."
     )
 
 
-def _refuse_distributed_tensors(params, names: dict[int, str]) -> None:
-    """DTensor parameters (``fully_shard``, tensor parallelism) are sharded by another owner: the
-    pipeline's reductions would mix them with plain tensors. Refused by name, at setup."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return
-    sharded = [names.get(id(p), "?") for p in params if isinstance(p, DTensor)]
+def _refuse_distributed_tensors(params, names: dict[int, str], sharding: Optional[StageSharding]) -> None:
+    """DTensor parameters other than those of the stage's FSDP2 units (tensor parallelism, say) are
+    sharded by another owner: the pipeline's reductions would mix them with plain tensors. Refused
+    by name, at setup."""
+    managed = set()
+    if sharding is not None:
+        for chunk in sharding.chunks:
+            managed.update(id(s) for s, _, _ in sharding.pairs(chunk))
+    sharded = [names.get(id(p), "?") for p in params if is_dtensor(p) and id(p) not in managed]
     if sharded:
         raise ValueError(
             f"{len(sharded)} parameter(s) are DTensors when the pipeline is set up ({', '.join(sharded[:6])}"
-            f"{', ...' if len(sharded) > 6 else ''}), e.g. from fully_shard or tensor parallelism applied in "
-            f"configure_model: sharding inside pipeline stages is not supported yet, so their gradients would be "
-            f"reduced wrongly. Remove the fully_shard/parallelize_module call; each data-parallel replica then "
-            f"holds its stage's parameters whole.")
+            f"{', ...' if len(sharded) > 6 else ''}), e.g. from tensor parallelism applied in configure_model, "
+            f"which the pipeline does not drive: their gradients would be reduced wrongly. Remove the "
+            f"parallelize_module call. To shard over the data-parallel replicas, pass "
+            f"data_parallel_sharding='full', or apply fully_shard to the pipeline layers over "
+            f"self.device_mesh['dp'].")
 
 
 def _chunk_finish(actions: list[Action]) -> dict[int, int]:
@@ -303,47 +384,3 @@ def _chunk_finish(actions: list[Action]) -> dict[int, int]:
         if part is not None:
             last[part[1]] = index
     return last
-
-
-def grad_norm(sync: GradientSync, topology: Topology, partition: Partition, norm_type: float = 2.0) -> torch.Tensor:
-    """Norm of the whole model's gradient, identical on every rank.
-
-    Each rank weights its local contribution so that one all-reduce over the world counts every
-    parameter exactly once: dense gradients are replicated over dp (weight 1/dp), expert
-    gradients over edp (weight 1/edp), and a tied parameter counts only on the lowest pipeline
-    rank that holds it.
-    """
-    owner = {t.name: min(t.pp_ranks) for t in partition.tied}
-    names = partition.parameter_names
-    norm_type = float(norm_type)
-    device = sync.params[0].device if sync.params else torch.device("cpu")
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    for p in sync.params:
-        if p.grad is None or owner.get(names.get(id(p)), topology.pp_rank) != topology.pp_rank:
-            continue
-        g = p.grad.detach().to(torch.float64)
-        if norm_type == float("inf"):
-            local = torch.maximum(local, g.abs().max())
-        else:
-            replicas = topology.dims.edp if is_expert_parameter(p) else topology.dp
-            local += g.abs().pow(norm_type).sum() / replicas
-    if dist.is_initialized():
-        dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM)
-    return local if norm_type == float("inf") else local.pow(1.0 / norm_type)
-
-
-def clip_grad_norm_(sync: GradientSync, topology: Topology, partition: Partition, max_norm: float,
-                    norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Scale every rank's gradients by the same factor so the global norm is at most ``max_norm``
-    (the formula of ``torch.nn.utils.clip_grad_norm_``, applied to the whole pipelined model)."""
-    total = grad_norm(sync, topology, partition, norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"the total norm of order {norm_type} of the gradients is non-finite ({float(total)}), so it cannot be "
-            f"clipped. Set error_if_nonfinite=False to clip anyway."
-        )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in sync.params:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
-    return total

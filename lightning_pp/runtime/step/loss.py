@@ -85,10 +85,11 @@ class StepEnd:
         self.config, self.topology, self.device = config, topology, device
 
     def run(self, loss_sum: torch.Tensor, count: torch.Tensor, *, train: bool, compute_loss: bool,
-            fingerprint: Optional[torch.Tensor], stage_params: Sequence[tuple[int, Sequence[torch.Tensor]]],
+            fingerprint: Optional[torch.Tensor], stage_flags: Callable[[], Sequence[tuple[int, torch.Tensor]]],
             step: int, nonfinite: str, check_batches: str, wait: Callable[[Any, str], None]) -> StepTotals:
-        """The all-reduce and its decisions. ``stage_params``: this rank's parameters by virtual
-        stage (each once), checked for inf/nan stage by stage; ``nonfinite`` and ``check_batches``
+        """The all-reduce and its decisions. ``stage_flags()``: (virtual stage, 1.0 where this
+        rank's gradients of its parameters hold inf/nan), e.g. ``GradientSync.nonfinite_flags``, asked
+        only when the policy checks; ``nonfinite`` and ``check_batches``
         are the policies (see ``PipelineConfig``); ``wait`` the step's bounded wait."""
         if not (train or compute_loss or fingerprint is not None):
             return StepTotals()
@@ -97,8 +98,8 @@ class StepEnd:
         flags = train and nonfinite != "ignore"
         if flags:
             local = torch.zeros(stages, dtype=torch.float64, device=self.device)
-            for stage, params in stage_params:
-                local[stage] = grads_nonfinite(params, self.device)
+            for stage, flag in stage_flags():
+                local[stage] = torch.maximum(local[stage], flag.to(local.dtype).reshape(()))
             parts.append(local)
         if fingerprint is not None:
             prints = torch.zeros(world, dtype=torch.float64, device=self.device)
