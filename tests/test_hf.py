@@ -175,30 +175,15 @@ def test_a_forward_the_plans_do_not_describe_is_refused_before_the_cut():
 
 
 # -- checkpoints in HF's format: read per rank, written back whole ----------------------------------
-class HFFromPretrained(nn.Module):
+class HFFromPretrained(HFPipe):
     """The model built on the meta device from a local checkpoint's config: each rank materialises
     its layers, then reads only its own tensors from the safetensors files."""
 
     def __init__(self, path: str):
-        super().__init__()
+        nn.Module.__init__(self)
         config = transformers.AutoConfig.from_pretrained(path)
         with torch.device("meta"):
             self.model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
-
-    def pipeline_layers(self):
-        from lightning_pp.integrations import hf
-
-        return hf.pipeline_layers(self.model)
-
-    def pipeline_inputs(self, batch):
-        from lightning_pp.integrations import hf
-
-        return hf.pipeline_inputs(batch)
-
-    def pipeline_loss(self, logits, batch):
-        from lightning_pp.integrations import hf
-
-        return hf.pipeline_loss(logits, batch)
 
     def pipeline_init_weights(self, module):
         from lightning_pp.integrations import hf
