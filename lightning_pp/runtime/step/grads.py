@@ -258,7 +258,7 @@ class GradientSync:
                     # gathered gradient as it is copied into the reduction's buffer: the buffer never
                     # coexists with both.
                     self.sharding.release(bucket.chunk)
-                    bucket.launch(grads_nonfinite_of)
+                    bucket.launch(grads_nonfinite)
                     continue
                 bucket.flat = _flatten_with_presence(bucket.params)
                 bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
@@ -290,7 +290,7 @@ class GradientSync:
     def nonfinite_flags(self, device: torch.device) -> list[tuple[int, torch.Tensor]]:
         """(virtual stage, 1.0 if a gradient of its parameters on this rank holds inf/nan), before
         the reductions: a sharded chunk's were checked when its reduce-scatter was posted."""
-        flags = [(stage, grads_nonfinite(params, device)) for stage, params in self.stage_params]
+        flags = [(stage, grads_nonfinite((p.grad for p in params), device)) for stage, params in self.stage_params]
         flags += [(b.stage, b.flag) for b in self.buckets if isinstance(b, ShardedBucket) and b.flag is not None]
         return flags
 
@@ -304,14 +304,6 @@ class GradientSync:
 
 def _is_expert_bucket(bucket) -> bool:
     return bucket.expert if isinstance(bucket, ShardedBucket) else is_expert_parameter(bucket.params[0])
-
-
-class _Grad(NamedTuple):
-    grad: torch.Tensor
-
-
-def grads_nonfinite_of(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return grads_nonfinite([_Grad(g) for g in grads], device)
 
 
 def _reduce_tie(tie: _TieGroup, wait) -> None:

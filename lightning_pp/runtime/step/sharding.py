@@ -113,10 +113,12 @@ class StageSharding:
             for sharded, gathered, _ in self.pairs(c):  # frozen or unfrozen between steps
                 if gathered is not None and gathered.requires_grad != sharded.requires_grad:
                     gathered.requires_grad_(sharded.requires_grad)
-        ranked = {c: i for i, c in enumerate(order + [c for c in range(len(self.by_chunk)) if c not in order])}
-        layers = sorted({(ranked[u.chunk], u.layer) for u in self.units})
-        self._queue = [[u for u in self.units if (ranked[u.chunk], u.layer) == key] for key in layers]
-        self._slot = {id(u): i for i, group in enumerate(self._queue) for u in group}
+        if tuple(order) != getattr(self, "_order", None):  # the queue of a step's order, made once
+            self._order = tuple(order)
+            ranked = {c: i for i, c in enumerate(order + [c for c in range(len(self.by_chunk)) if c not in order])}
+            layers = sorted({(ranked[u.chunk], u.layer) for u in self.units})
+            self._queue = [[u for u in self.units if (ranked[u.chunk], u.layer) == key] for key in layers]
+            self._slot = {id(u): i for i, group in enumerate(self._queue) for u in group}
         self._next = 0
         for unit in self.units:
             unit.waited = False
