@@ -10,7 +10,7 @@ measured transfer cost; ``_per_stage`` and ``_per_stage_calibrated``, with each 
 a2a_hidden_fraction, ratio_vs_torch_moe_combined,
 ratio_vs_torch_moe_dualpipev, peak_memory_ratio_vs_torch, sharded_state_bytes_ratio,
 sharded_peak_memory_ratio, sharded_step_ratio, ratio_vs_torch_fsdp_1f1b (and its peak memory),
-reduce_scatter_hidden_fraction, monitor_overhead, batch_check_bound,
+reduce_scatter_hidden_fraction, zb_compiled_backward_ratio, monitor_overhead, batch_check_bound,
 rng_streams_bound, schedule_generate_simulate_seconds, and the supporting figures.
 """
 
@@ -97,6 +97,10 @@ def main(argv=None) -> dict:
         {name: name for name in ("sharded_state_bytes_ratio", "sharded_peak_memory_ratio", "sharded_step_ratio",
                                  "ratio_vs_torch_fsdp_1f1b", "peak_memory_ratio_vs_torch_fsdp_1f1b",
                                  "reduce_scatter_hidden_fraction")})
+    section("Compiled layers under the zero-bubble split", "bench_compile",
+            argparse.Namespace(width=1024, batch=512, repeats=6 if q else 10),
+            {name: name for name in ("zb_compiled_backward_ratio", "zb_torch_compiled_backward_ratio",
+                                     "zb_eager_backward_ratio")})
     section("Timeline recording and monitor overhead", "bench_monitor_overhead", {"wait_quiet": 0.0},
             {"monitor_overhead": "monitor_overhead", "timeline_overhead": "timeline_overhead"})
     section("Exactness guards: batch check, batch broadcast, random streams", "bench_exactness_overhead",
