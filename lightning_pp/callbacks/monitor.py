@@ -248,6 +248,8 @@ class PipelineMonitor(Callback):
         self._reset_window()
         metrics = stats.metrics(self.prefix)
         metrics.update(self._throughput(records))
+        if executor.compile_watch is not None:  # compile=: compilations, recompilations, graph breaks
+            metrics.update(executor.compile_watch.metrics(self.prefix))
         self.history.append({"step": index, **metrics})
         self.last_stats, self.last_records, self.last_step = stats, records, index
 

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from lightning_pp.runtime.compiled import compile_pipeline_layers
 from lightning_pp.runtime.config import PipelineConfig, ResolvedPipeline
 from lightning_pp.runtime.cut.meta import has_meta_tensors, materialize
 from lightning_pp.runtime.cut.partition import (
@@ -53,7 +54,8 @@ def build_pipeline(
     rank 0's batch on every stage (one broadcast per step), for data pipelines that cannot give
     every stage the same batch. A module built on the meta device is materialised after the cut,
     only what this rank keeps, with the seed ``torch.initial_seed()`` (see
-    :mod:`lightning_pp.runtime.cut.meta`)."""
+    :mod:`lightning_pp.runtime.cut.meta`). ``compile`` compiles this rank's layers in place, last
+    (see :mod:`lightning_pp.runtime.compiled`)."""
     resolved = config if isinstance(config, ResolvedPipeline) else None
     if resolved is not None and options:
         raise TypeError(f"build_pipeline got options {sorted(options)} with an already resolved pipeline: set them "
@@ -85,6 +87,8 @@ def build_pipeline(
     partition.forget_freed(module)  # before anything new is made: a new object may reuse a freed id
     add_frozen_stage_placeholder(module, partition)
     module.to(device)
+    compile_pipeline_layers([layer for chunk in partition.chunks for layer in chunk.layers], config.compile,
+                            schedule.spec.splits_backward)
     executor = PipelineExecutor(module, partition, topology, resolved, device=device, sharding=sharding)
     module._lpp_executor = executor  # not a submodule: a plain attribute (see executor_of)
     return executor

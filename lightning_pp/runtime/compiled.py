@@ -20,10 +20,18 @@ the user's layer (any op, not only ``nn.Linear``) and keeps the compiler's fusio
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import logging
+import warnings
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import fx, nn
+
+log = logging.getLogger(__name__)
+#: ``compile=``: ``False`` (eager), ``True`` (inductor) or ``torch.compile``'s keyword arguments.
+CompileOption = Union[bool, dict[str, Any]]
+#: The compilers whose backward graphs :func:`split_backend` splits for the zero-bubble ``W``.
+SPLIT_COMPILERS = ("inductor", "aot_eager")
 
 
 def _ancestors(nodes: Sequence[Any]) -> set:
@@ -98,13 +106,16 @@ class SplitBackward:
         return [g if is_input else w for g, w, is_input in zip(grads, rest, self.is_input)]
 
 
-def split_backend(compiler: str = "inductor") -> Callable:
+def split_backend(compiler: str = "inductor", mode: Optional[str] = None, options: Optional[dict] = None) -> Callable:
     """A ``torch.compile`` backend whose backward graphs split into input- and weight-gradient
-    parts (``compiler``: ``"inductor"`` or ``"aot_eager"``, which keeps torch's eager kernels and
-    their order of operations)."""
+    parts (``compiler``: ``"inductor"``, with its ``mode`` or ``options``, or ``"aot_eager"``, which
+    keeps torch's eager kernels and their order of operations)."""
+    fixed_mode, fixed_options = mode, options
 
-    def backend(gm: fx.GraphModule, example_inputs: list):
+    def backend(gm: fx.GraphModule, example_inputs: list, mode: Optional[str] = fixed_mode,
+                options: Optional[dict] = fixed_options):
         if compiler == "inductor":
+            from torch._inductor import list_mode_options
             from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
             def inner(graph, inputs, **kwargs):
@@ -113,7 +124,11 @@ def split_backend(compiler: str = "inductor") -> Callable:
                 kwargs.pop("static_input_idxs", None)  # indices of the whole graph's inputs
                 return _split(graph, inputs, example_inputs, lambda g, x: compile_fx_inner(g, x, **kwargs))
 
-            return compile_fx(gm, example_inputs, inner_compile=inner)
+            patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}  # as torch.compile does
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        if mode is not None or options:
+            raise ValueError(f"compile: mode={mode!r} / options={options!r} are inductor's; the {compiler!r} "
+                             f"backend takes neither: drop them or use backend='inductor'.")
         if compiler == "aot_eager":
             from functorch.compile import make_boxed_func
             from torch._dynamo.backends.common import aot_autograd
@@ -146,14 +161,199 @@ def _split(graph: fx.GraphModule, inputs: list, inputs_of_forward: list, compile
     return SplitBackward(part_one, part_two, [not p for p in is_param], weight_edges, kept)
 
 
+_BACKENDS: dict = {}
+#: ``compile=`` keys and the ``torch._dynamo.optimize`` arguments they become (``mode`` and
+#: ``options`` go to the inductor backend itself).
+_OPTIMIZE_ARGS = {"fullgraph": "nopython", "dynamic": "dynamic", "disable": "disable", "recompile_limit": "recompile_limit"}
+COMPILE_KEYS = ("backend", "mode", "options", *_OPTIMIZE_ARGS)
+
+
+def shared_backend(compiler: str, mode: Optional[str] = None, options: Optional[dict] = None) -> Callable:
+    """One :func:`split_backend` per compiler and options for the process. torch keys compiled code
+    on the backend object (its ``BACKEND_MATCH`` guard), and ``torch.compile`` / ``Module.compile``
+    make a new one per call: every layer would recompile the graph its class already has, until
+    torch's recompile limit sends the rest to eager. One object: twelve blocks, one compilation."""
+    key = (compiler, mode, repr(sorted((options or {}).items())))
+    if key not in _BACKENDS:
+        _BACKENDS[key] = split_backend(compiler, mode, options)
+    return _BACKENDS[key]
+
+
 def compile_layer(layer: nn.Module, compiler: str = "inductor", **options: Any) -> nn.Module:
-    """Compile ``layer`` in place (``Module.compile``: its state-dict names stay) with
-    :func:`split_backend`; ``options`` are ``torch.compile``'s other keyword arguments."""
+    """Compile ``layer`` in place (its state-dict names stay) with the shared :func:`split_backend`
+    of ``compiler``; ``options``: ``mode``, ``options`` (inductor's) and the keys of
+    :data:`COMPILE_KEYS` that ``torch._dynamo.optimize`` takes (``fullgraph``, ``dynamic``, ...)."""
     # B and W both read the backward's saved buffers (the graph is kept between them): torch must
     # not donate them to the backward. Its check runs at compile and at backward time, so it is set
     # for the process.
     import torch._functorch.config as functorch_config
 
     functorch_config.donated_buffer = False
-    layer.compile(backend=split_backend(compiler), **options)
+    options = dict(options)
+    backend = shared_backend(compiler, options.pop("mode", None), options.pop("options", None))
+    compile_in_place(layer, backend, options)
     return layer
+
+
+def compile_in_place(layer: nn.Module, backend: Any, options: dict) -> None:
+    """Compile ``layer`` as ``Module.compile`` does, with ``backend`` itself as the backend object
+    (see :func:`shared_backend`), for torch's own module classes too; marks it ``_lpp_compiled``
+    (run_layer marks its inputs' batch and sequence dimensions dynamic)."""
+    optimize = torch._dynamo.optimize(backend, **{_OPTIMIZE_ARGS[k]: v for k, v in options.items()})
+    if torch._dynamo.trace_rules.check(layer.forward):
+        # torch's own module classes (nn.Linear, nn.Sequential): dynamo skips their frames, so
+        # ``Module.compile`` would run them eager, silently. Their forward is compiled through a
+        # frame dynamo traces (as ``torch.compile(module)`` does); hooks stay outside, as there.
+        from torch._dynamo.external_utils import wrap_inline
+
+        layer.forward = _marking_dynamic_dims(optimize(wrap_inline(layer.forward)))
+    else:
+        layer._compiled_call_impl = _marking_dynamic_dims(optimize(layer._call_impl))  # what Module.compile sets
+    layer._lpp_compiled = True
+
+
+def _marking_dynamic_dims(compiled: Callable) -> Callable:
+    """``compiled``, called after :func:`_mark_dynamic_dims` on its arguments (in eager code: torch
+    forbids the mark inside a compiled frame)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _mark_dynamic_dims(args)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def _mark_dynamic_dims(args: tuple) -> None:
+    """A short last batch, a smaller last microbatch, a shorter sequence, an expert's token count
+    must not recompile: the batch and sequence dimensions of a compiled module's tensor inputs (the
+    first two, but never a floating tensor's last, its features) are marked dynamic, which torch
+    keeps symbolic unless the code fixes them (then it specialises, as without the mark)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            dims = min(arg.dim() - arg.is_floating_point(), 2)
+            if dims > 0:
+                torch._dynamo.maybe_mark_dynamic(arg, list(range(dims)))
+
+
+def compile_targets(layer: nn.Module) -> list[nn.Module]:
+    """What compiling a pipeline layer compiles: the layer; for a layer that communicates inside
+    (an expert-parallel MoE block, whose schedule-plan nodes call its parts between all-to-alls),
+    its parts: each child module, and each expert this rank holds, so every compute node is
+    compiled and every all-to-all stays outside."""
+    from lightning_pp.runtime.protocols import ProvidesScheduleNodes
+
+    if not isinstance(layer, ProvidesScheduleNodes):
+        return [layer]
+    parts = []
+    for child in layer.children():
+        children = list(child) if isinstance(child, nn.ModuleList) else [child]
+        # an expert on another rank is a placeholder without parameters: nothing to compile
+        parts.extend(c for c in children if any(True for _ in c.parameters()))
+    return parts
+
+
+def check_compile_option(value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is a valid ``compile=`` (before any group exists)."""
+    if isinstance(value, bool):
+        return
+    allowed = COMPILE_KEYS
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"compile={value!r} is invalid: pass False, True (inductor) or a dict of torch.compile "
+                         f"keyword arguments, e.g. {{'mode': 'max-autotune'}} or {{'backend': 'aot_eager'}}.")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ValueError(f"compile={dict(value)!r}: {', '.join(unknown)} is not one of the torch.compile keyword "
+                         f"arguments the pipeline passes on: {', '.join(allowed)}.")
+    if value.get("mode") is not None and value.get("options"):
+        raise ValueError(f"compile={dict(value)!r}: give mode or options, not both (torch.compile's rule).")
+
+
+def _user_compiled(layer: nn.Module) -> bool:
+    return isinstance(layer, torch._dynamo.eval_frame.OptimizedModule) or getattr(layer, "_compiled_call_impl", None) is not None
+
+
+def compile_pipeline_layers(layers: Sequence[nn.Module], option: CompileOption, splits_backward: bool) -> None:
+    """``compile=``: compile this rank's pipeline layers in place (after the cut, materialisation and
+    sharding). A layer the user compiled (``torch.compile(layer)`` or ``layer.compile()``) is
+    recompiled with the split backend under a zero-bubble schedule (``splits_backward``), so its
+    ``W`` does not run its backward twice; elsewhere it runs as the user compiled it."""
+    if option is False and not (splits_backward and any(map(_user_compiled, layers))):
+        return
+    kwargs = dict(option) if isinstance(option, Mapping) else {}
+    backend = kwargs.pop("backend", None) or "inductor"
+    if not isinstance(backend, str) or backend not in SPLIT_COMPILERS:
+        if splits_backward:
+            log.warning(f"lightning_pp: compile backend {backend!r} is not one whose backward lightning_pp splits "
+                        f"({', '.join(SPLIT_COMPILERS)}): under the zero-bubble schedule each compiled layer's W "
+                        f"runs its whole backward again.")
+        if kwargs.pop("mode", None) is not None or kwargs.pop("options", None):
+            raise ValueError(f"compile: mode and options are inductor's; the backend {backend!r} takes neither.")
+        for layer in layers:
+            for part in compile_targets(layer):
+                compile_in_place(part, backend, kwargs)
+            layer._lpp_compiled = True
+        return
+    for layer in layers:
+        if option is False and not _user_compiled(layer):
+            continue
+        target = layer
+        if isinstance(layer, torch._dynamo.eval_frame.OptimizedModule):  # call through to the in-place compiled module
+            target = layer._orig_mod
+            layer.forward = target.__call__
+        for part in compile_targets(target):
+            compile_layer(part, backend, **kwargs)
+        layer._lpp_compiled = True
+    if option is False:
+        log.info("lightning_pp: layers compiled with torch.compile were recompiled with lightning_pp's split backend "
+                 "(inductor), so the zero-bubble W computes only their weight gradients.")
+
+
+def compile_counts() -> dict:
+    """What torch.compile did in this process so far: ``graphs`` compiled, ``recompiles`` (guards
+    that failed, over every compiled function), ``graph_breaks``, and ``guards_failed``: each
+    compiled function's (``Block.forward``) failed guards, in order."""
+    from torch._dynamo.utils import counters, guard_failures
+
+    failures = {getattr(code, "co_qualname", code.co_name): list(reasons) for code, reasons in guard_failures.items() if reasons}
+    return {"graphs": counters["stats"]["unique_graphs"], "recompiles": sum(map(len, failures.values())),
+            "graph_breaks": sum(counters["graph_break"].values()), "guards_failed": failures}
+
+
+class CompileWatch:
+    """Counts torch.compile's work on this rank step by step (the executor calls
+    :meth:`pipeline_step_end` after every training step when a layer is compiled). The first
+    ``warmup_steps`` steps compile; a recompilation after them (a guard that failed: a shape, a
+    dtype, a flag that changed) costs a compilation each time it happens, so it is counted in
+    ``recompiles_after_warmup`` and warned about once per compiled function, naming the function
+    (the layer class's ``forward``) and the guard. :class:`~lightning_pp.callbacks.PipelineMonitor`
+    logs :meth:`metrics`."""
+
+    def __init__(self, warmup_steps: int = 2) -> None:
+        self.warmup_steps = warmup_steps
+        self.start = compile_counts()
+        self.counts = self.start
+        self.recompiles_after_warmup = 0
+        self._warned: set = set()
+
+    def pipeline_step_end(self, steps_done: int) -> None:
+        counts = compile_counts()
+        if steps_done > self.warmup_steps:
+            previous = self.counts["guards_failed"]
+            for name, reasons in counts["guards_failed"].items():
+                new = reasons[len(previous.get(name, [])):]
+                self.recompiles_after_warmup += len(new)
+                if new and name not in self._warned:
+                    self._warned.add(name)
+                    warnings.warn(
+                        f"lightning_pp: compiled {name} recompiled at step {steps_done}, after the {self.warmup_steps} "
+                        f"warm-up steps ({len(reasons)} recompilation(s) of it so far); the guard that failed: "
+                        f"{new[-1].splitlines()[0]}. Each costs a compilation: keep what the guard names fixed "
+                        f"(a shape: pad to a few sizes, or torch._dynamo.mark_dynamic on that dimension).", stacklevel=2)
+        self.counts = counts
+
+    def metrics(self, prefix: str = "pipeline/") -> dict:
+        counts, start = self.counts, self.start
+        return {f"{prefix}compiled_graphs": counts["graphs"] - start["graphs"],
+                f"{prefix}recompiles": counts["recompiles"] - start["recompiles"],
+                f"{prefix}recompiles_after_warmup": self.recompiles_after_warmup,
+                f"{prefix}graph_breaks": counts["graph_breaks"] - start["graph_breaks"]}

@@ -14,6 +14,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
+from lightning_pp.runtime.compiled import CompileOption, check_compile_option
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.layer import CheckpointPolicy, checkpointed_layers
@@ -82,11 +83,16 @@ class PipelineConfig:
     data_parallel_sharding: DataParallelSharding = "none"
     """``"full"``: each stage's parameters, gradients and optimizer state sharded over its
     data-parallel replicas with FSDP2 (experts over the expert-data-parallel ones); ``"none"``: whole."""
+    compile: CompileOption = False
+    """Compile each pipeline layer in place with ``torch.compile``: ``True`` (inductor), ``False``, or
+    ``torch.compile``'s keyword arguments, e.g. ``{"mode": "max-autotune"}``; backward split for the
+    zero-bubble schedules (see :mod:`lightning_pp.runtime.compiled`)."""
 
     def __post_init__(self) -> None:
         check_nonfinite_policy(self.nonfinite)
         check_batch_policy(self.check_batches, self.broadcast_batches)
         check_sharding_mode(self.data_parallel_sharding)
+        check_compile_option(self.compile)
         schedule_spec(self.schedule)  # a known schedule (names them otherwise)
         if not isinstance(self.static_shapes, bool):
             raise ValueError(f"static_shapes={self.static_shapes!r} is invalid: pass True or False.")

@@ -19,7 +19,8 @@ CheckpointPolicy = Union[bool, Sequence[type]]
 
 def run_layer(layer: nn.Module, x: Any) -> Any:
     """Call one pipeline layer (a tuple input is unpacked). A layer marked for activation
-    checkpointing keeps only its inputs and recomputes its forward during backward."""
+    checkpointing keeps only its inputs and recomputes its forward during backward (a compiled
+    layer is recomputed by its compiled forward: the checkpoint sits around it)."""
     args = x if isinstance(x, tuple) else (x,)
     if getattr(layer, "_lpp_checkpoint", False) and torch.is_grad_enabled():
         return checkpoint(layer, *args, use_reentrant=False)

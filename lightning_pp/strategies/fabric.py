@@ -32,6 +32,7 @@ from lightning_pp.runtime.build import executor_of, find_executor
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.cut.meta import has_meta_tensors
 from lightning_pp.strategies import checkpoint as ckpt
+from lightning_pp.runtime.compiled import CompileOption
 from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig
 from lightning_pp.runtime.step.sharding import DataParallelSharding
 from lightning_pp.runtime.cut.layout import Layout
@@ -93,6 +94,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         check_batches: BatchCheck = "raise",
         broadcast_batches: bool = False,
         data_parallel_sharding: DataParallelSharding = "none",
+        compile: CompileOption = False,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

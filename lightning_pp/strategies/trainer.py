@@ -37,16 +37,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.strategies import checkpoint as ckpt
 from lightning_pp.runtime.step.microbatch import batch_size
+from lightning_pp.runtime.compiled import CompileOption
 from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig
 from lightning_pp.runtime.step.sharding import DataParallelSharding
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
 from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin
-from lightning_pp.strategies.loops import (
-    _PipelineAutomaticOptimization,
-    lightning_hook_of,
-    warn_unused_step_methods,
-)
+from lightning_pp.strategies.loops import _PipelineAutomaticOptimization, lightning_hook_of, warn_unused_step_methods
 
 
 # ``sync_dist_group`` of the values the strategy logs that every rank already holds alike.
@@ -90,6 +87,8 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             data pipelines that cannot give every stage the same batch.
         data_parallel_sharding: ``"none"`` (default) or ``"full"``: every layer's parameters, gradients
             and optimizer state sharded over its stage's replicas with FSDP2 (``docs/sharding.md``).
+        compile: ``False`` (default), ``True`` or ``torch.compile``'s keyword arguments: each
+            pipeline layer compiled in place, backward split for zero-bubble (``docs/compile.md``).
         process_group_backend, timeout, start_method, accelerator, parallel_devices,
         cluster_environment, checkpoint_io, precision_plugin: as for ``DDPStrategy``.
     """
@@ -113,6 +112,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         check_batches: BatchCheck = "raise",
         broadcast_batches: bool = False,
         data_parallel_sharding: DataParallelSharding = "none",
+        compile: CompileOption = False,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

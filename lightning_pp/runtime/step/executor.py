@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_pp.runtime.compiled import CompileWatch
 from lightning_pp.runtime.config import ResolvedPipeline
 from lightning_pp.runtime.failure.diagnosis import Diagnosis
 from lightning_pp.runtime.failure.board import FailureBoard, Position
@@ -160,6 +161,10 @@ class PipelineExecutor:
         layer_modules = [sub for chunk in partition.chunks for layer in chunk.layers for sub in layer.modules()]
         self._step_hooks = [sub.pipeline_step_end for sub in layer_modules if isinstance(sub, StepObserver)]
         self._holders = [sub for sub in layer_modules if isinstance(sub, HoldsResources)]
+        # compile=: torch.compile's recompilations and graph breaks, counted per step
+        self.compile_watch = CompileWatch() if any(getattr(sub, "_lpp_compiled", False) for sub in layer_modules) else None
+        if self.compile_watch is not None:
+            self._step_hooks.append(self.compile_watch.pipeline_step_end)
 
     # -- the model's functions (the strategies wrap them: self.log calls, Fabric's precision) ----
     @property
