@@ -41,7 +41,8 @@ def test_cli_with_class_path_strategy(tmp_path):
              "--trainer.strategy.init_args.static_shapes=false", "--trainer.strategy.init_args.check_batches=warn",
              "--trainer.strategy.init_args.broadcast_batches=true", "--trainer.strategy.init_args.nonfinite=skip",
              "--trainer.strategy.init_args.pipeline_timeout=0:05:00",
-             "--trainer.strategy.init_args.data_parallel_sharding=full")  # one replica per stage: a no-op
+             "--trainer.strategy.init_args.data_parallel_sharding=full",  # one replica per stage: a no-op
+             "--trainer.strategy.init_args.compile={backend: aot_eager}")  # torch.compile's keyword arguments
     losses = _train_losses(tmp_path)
     assert losses and all(math.isfinite(loss) and loss > 0 for loss in losses)
     ckpts = list(Path(tmp_path).rglob("*.ckpt"))

@@ -309,9 +309,10 @@ def compile_pipeline_layers(layers: Sequence[nn.Module], option: CompileOption, 
 
 
 def compile_counts() -> dict:
-    """What torch.compile did in this process so far: ``graphs`` compiled, ``recompiles`` (guards
-    that failed, over every compiled function), ``graph_breaks``, and ``guards_failed``: each
-    compiled function's (``Block.forward``) failed guards, in order."""
+    """What torch.compile did in this process so far: ``graphs`` compiled, ``recompiles`` (guard
+    failures, over every compiled function: a recompile lists one per cached entry it missed),
+    ``graph_breaks``, and ``guards_failed``: each compiled function's (``Block.forward``) failed
+    guards, in order."""
     from torch._dynamo.utils import counters, guard_failures
 
     failures = {getattr(code, "co_qualname", code.co_name): list(reasons) for code, reasons in guard_failures.items() if reasons}
@@ -323,13 +324,15 @@ class CompileWatch:
     """Counts torch.compile's work on this rank step by step (the executor calls
     :meth:`pipeline_step_end` after every training step when a layer is compiled). The first
     ``warmup_steps`` steps compile; a recompilation after them (a guard that failed: a shape, a
-    dtype, a flag that changed) costs a compilation each time it happens, so it is counted in
-    ``recompiles_after_warmup`` and warned about once per compiled function, naming the function
-    (the layer class's ``forward``) and the guard. :class:`~lightning_pp.callbacks.PipelineMonitor`
-    logs :meth:`metrics`."""
+    dtype, a flag that changed) is counted in ``recompiles_after_warmup``. One per function is
+    expected where a dimension first takes the size 1 (a last microbatch of one sample: torch
+    specialises sizes 0 and 1 even when marked dynamic); when a function keeps recompiling
+    (``warn_after`` times after warm-up) a warning names it (the layer class's ``forward``) and the
+    guard that failed. :class:`~lightning_pp.callbacks.PipelineMonitor` logs :meth:`metrics`."""
 
-    def __init__(self, warmup_steps: int = 2) -> None:
-        self.warmup_steps = warmup_steps
+    def __init__(self, warmup_steps: int = 2, warn_after: int = 2) -> None:
+        self.warmup_steps, self.warn_after = warmup_steps, warn_after
+        self._after: dict = {}
         self.start = compile_counts()
         self.counts = self.start
         self.recompiles_after_warmup = 0
@@ -338,15 +341,16 @@ class CompileWatch:
     def pipeline_step_end(self, steps_done: int) -> None:
         counts = compile_counts()
         if steps_done > self.warmup_steps:
+            self.recompiles_after_warmup += counts["graphs"] - self.counts["graphs"]
             previous = self.counts["guards_failed"]
             for name, reasons in counts["guards_failed"].items():
-                new = reasons[len(previous.get(name, [])):]
-                self.recompiles_after_warmup += len(new)
-                if new and name not in self._warned:
+                new = reasons[len(previous.get(name, [])):]  # a recompile lists each cached entry's failure
+                self._after[name] = self._after.get(name, 0) + bool(new)  # steps at which it recompiled
+                if new and self._after[name] >= self.warn_after and name not in self._warned:
                     self._warned.add(name)
                     warnings.warn(
-                        f"lightning_pp: compiled {name} recompiled at step {steps_done}, after the {self.warmup_steps} "
-                        f"warm-up steps ({len(reasons)} recompilation(s) of it so far); the guard that failed: "
+                        f"lightning_pp: compiled {name} recompiled at step {steps_done}, at {self._after[name]} steps after "
+                        f"the {self.warmup_steps} warm-up steps; the guard that failed last: "
                         f"{new[-1].splitlines()[0]}. Each costs a compilation: keep what the guard names fixed "
                         f"(a shape: pad to a few sizes, or torch._dynamo.mark_dynamic on that dimension).", stacklevel=2)
         self.counts = counts
