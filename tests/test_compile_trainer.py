@@ -74,7 +74,8 @@ def test_trainer_and_fabric_with_compiled_layers_equal_one_device_uncompiled():
     for rank, out in enumerate(run_distributed(_pipelined, 2, timeout=280)):
         for what, got, want in (("trainer", out["trainer"], expected), ("fabric", out["fabric"], fabric_expected)):
             for name, value in got.items():
-                torch.testing.assert_close(value, want[name], rtol=1e-9, atol=1e-12, msg=lambda m, what=what, name=name: f"{what}: {name} on rank {rank}: {m}")
+                torch.testing.assert_close(value, want[name], rtol=1e-9, atol=1e-12,
+                                           msg=lambda m, w=what, n=name, r=rank: f"{w}: {n} on rank {r}: {m}")
                 seen.add((what, name))
         assert out["val"] == pytest.approx(val, rel=1e-9)
         assert out["names"] <= set(one.state_dict()), f"state-dict names changed: {out['names']}"
