@@ -1,7 +1,8 @@
 """``compile=`` with the Trainer, Fabric and LightningCLI's arguments, written as users write them
 (Lightning's distributed sampler on, the module's own configure_optimizers): a tied-embedding model
 with a short last batch trains under ``zb1p`` with compiled layers as the uncompiled model on one
-device (float64, 1e-9), validates, and PipelineMonitor reports no recompilation after warm-up; a
+device (float64, 1e-9), validates, saves a checkpoint an uncompiled pipeline loads, and
+PipelineMonitor reports no recompilation after warm-up beyond the stated bound; a
 recompilation after warm-up warns naming the function and the guard; bad values are errors naming
 the rule. The page is docs/compile.md."""
 
@@ -22,7 +23,7 @@ EAGER_KERNELS = {"backend": "aot_eager"}  # torch's eager kernels: the one-devic
 SAMPLES = 30  # batches of 4: the last one has 2
 
 
-def _pipelined(rank, world):
+def _pipelined(rank, world, ckpt_dir):
     import lightning_pp
     from lightning_pp.callbacks import PipelineMonitor
 
@@ -42,6 +43,11 @@ def _pipelined(rank, world):
     out["metrics"] = monitor.history[-1]
     out["val"] = float(trainer.validate(model, DataLoader(tokens(16, seed=2), batch_size=BATCH), verbose=False)[0]["val_loss"])
     out["names"] = set(model.state_dict())
+    trainer.save_checkpoint(os.path.join(ckpt_dir, "compiled"))  # read back by an uncompiled pipeline
+    plain = L.Trainer(devices=world, strategy=lightning_pp.PipelineStrategy(pipeline_parallel_size=2, num_microbatches=2),
+                      **TRAINER)
+    out["val_restored"] = float(plain.validate(TiedLM(), DataLoader(tokens(16, seed=2), batch_size=BATCH), verbose=False,
+                                               ckpt_path=os.path.join(ckpt_dir, "compiled"))[0]["val_loss"])
     fabric = L.Fabric(accelerator="cpu", devices=world, precision="64-true", strategy=lightning_pp.FabricPipelineStrategy(
         pipeline_parallel_size=2, num_microbatches=2, compile=EAGER_KERNELS))
     fabric.launch()
@@ -63,7 +69,7 @@ def _one_device(loader_kwargs, epochs, dataset):
 
 
 @pytest.mark.timeout(300)
-def test_trainer_and_fabric_with_compiled_layers_equal_one_device_uncompiled():
+def test_trainer_and_fabric_with_compiled_layers_equal_one_device_uncompiled(tmp_path):
     # Lightning's distributed sampler shuffles a training loader (seed 0, every epoch anew)
     one, trainer = _one_device({"sampler": OneDeviceOrder(tokens(SAMPLES), [1, 1], BATCH)}, 2, tokens(SAMPLES))
     expected = {name: p.detach() for name, p in one.named_parameters()}
@@ -71,13 +77,14 @@ def test_trainer_and_fabric_with_compiled_layers_equal_one_device_uncompiled():
     fabric_one, _ = _one_device({"sampler": OneDeviceOrder(tokens(), [1], BATCH)}, 1, tokens())
     fabric_expected = {name: p.detach() for name, p in fabric_one.named_parameters()}
     seen = set()
-    for rank, out in enumerate(run_distributed(_pipelined, 2, timeout=280)):
+    for rank, out in enumerate(run_distributed(_pipelined, 2, str(tmp_path), timeout=280)):
         for what, got, want in (("trainer", out["trainer"], expected), ("fabric", out["fabric"], fabric_expected)):
             for name, value in got.items():
                 torch.testing.assert_close(value, want[name], rtol=1e-9, atol=1e-12,
                                            msg=lambda m, w=what, n=name, r=rank: f"{w}: {n} on rank {r}: {m}")
                 seen.add((what, name))
         assert out["val"] == pytest.approx(val, rel=1e-9)
+        assert out["val_restored"] == pytest.approx(val, rel=1e-9)  # its checkpoint, loaded uncompiled
         assert out["names"] <= set(one.state_dict()), f"state-dict names changed: {out['names']}"
         metrics = out["metrics"]
         assert metrics["pipeline/compiled_graphs"] > 0, metrics
@@ -102,7 +109,7 @@ def test_recompilation_after_warmup_warns_naming_function_and_guard():
         warnings.simplefilter("error")  # once is expected (a size 1), no warning
         watch.pipeline_step_end(2)
     block(torch.randn(2, 3, 4, 4, dtype=torch.float64))  # and again: it keeps recompiling
-    with pytest.warns(UserWarning, match=r"compiled Block.forward recompiled at step 3, at 2 steps after.*failed last: .*rank"):
+    with pytest.warns(UserWarning, match=r"compiled Block.forward \(models.py:\d+\) recompiled at step 3, at 2 steps after.*failed last: .*rank"):
         watch.pipeline_step_end(3)
     assert watch.metrics()["pipeline/recompiles_after_warmup"] == 2
 

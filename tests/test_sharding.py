@@ -89,7 +89,7 @@ def _pipelined(rank, world, cases):
         executor = build_pipeline(model, pipeline_parallel_size=case["pp"], virtual_pipeline_size=case.get("vp", 1),
                                   num_microbatches=case["m"], schedule=case["schedule"],
                                   expert_parallel_size=case.get("ep", 1), activation_checkpointing=case.get("ac", False),
-                                  data_parallel_sharding="full")
+                                  data_parallel_sharding="full", compile=case.get("compile", False))
         names, topo = executor.partition.parameter_names, executor.topology
         kinds = sorted({type(p).__name__ for p in model.parameters()})
         held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
@@ -121,6 +121,9 @@ CASES = [
     dict(model="meta", pp=2, m=4, schedule="1f1b", batch=16),
     dict(model="tied", pp=2, m=3, schedule="1f1b", batch=8, clip=True),  # the tie across the two stages
     dict(model="tied", pp=2, vp=2, m=4, schedule="interleaved", batch=8, ac=True),
+    # compiled layers (torch's eager kernels) inside FSDP2 units, meta-device init included
+    dict(model="regressor", pp=2, m=4, schedule="zb1p", batch=16, clip=True, compile={"backend": "aot_eager"}),
+    dict(model="meta", pp=2, vp=2, m=4, schedule="zbv", batch=16, compile={"backend": "aot_eager"}),
 ]
 
 MOE_CASES = [  # pp=1 x ep=2 x edp=2: experts sharded over the expert-data-parallel pair

@@ -21,6 +21,7 @@ the user's layer (any op, not only ``nn.Linear``) and keeps the compiler's fusio
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -196,19 +197,21 @@ def compile_layer(layer: nn.Module, compiler: str = "inductor", **options: Any) 
 
 
 def compile_in_place(layer: nn.Module, backend: Any, options: dict) -> None:
-    """Compile ``layer`` as ``Module.compile`` does, with ``backend`` itself as the backend object
-    (see :func:`shared_backend`), for torch's own module classes too; marks it ``_lpp_compiled``
-    (run_layer marks its inputs' batch and sequence dimensions dynamic)."""
+    """Compile ``layer``'s forward in place, with ``backend`` itself as the backend object (see
+    :func:`shared_backend`), for torch's own module classes too; marks it ``_lpp_compiled``."""
     optimize = torch._dynamo.optimize(backend, **{_OPTIMIZE_ARGS[k]: v for k, v in options.items()})
-    if torch._dynamo.trace_rules.check(layer.forward):
-        # torch's own module classes (nn.Linear, nn.Sequential): dynamo skips their frames, so
-        # ``Module.compile`` would run them eager, silently. Their forward is compiled through a
-        # frame dynamo traces (as ``torch.compile(module)`` does); hooks stay outside, as there.
+    # The forward is compiled, not ``_call_impl`` (what ``Module.compile`` compiles): module hooks
+    # (FSDP2's, the pipeline's own timing) stay eager outside the graph, as with
+    # ``torch.compile(module)``, instead of breaking it. torch's own module classes (nn.Linear,
+    # nn.Sequential): dynamo skips their frames, which would leave them eager, silently; their
+    # forward is compiled through a frame dynamo traces.
+    forward = layer.forward
+    if torch._dynamo.trace_rules.check(forward):
         from torch._dynamo.external_utils import wrap_inline
 
-        layer.forward = _marking_dynamic_dims(optimize(wrap_inline(layer.forward)))
-    else:
-        layer._compiled_call_impl = _marking_dynamic_dims(optimize(layer._call_impl))  # what Module.compile sets
+        forward = wrap_inline(forward)
+    layer.forward = _marking_dynamic_dims(optimize(forward))
+    layer._compiled_call_impl = None  # a user's own layer.compile() is replaced by this one
     layer._lpp_compiled = True
 
 
@@ -311,11 +314,12 @@ def compile_pipeline_layers(layers: Sequence[nn.Module], option: CompileOption, 
 def compile_counts() -> dict:
     """What torch.compile did in this process so far: ``graphs`` compiled, ``recompiles`` (guard
     failures, over every compiled function: a recompile lists one per cached entry it missed),
-    ``graph_breaks``, and ``guards_failed``: each compiled function's (``Block.forward``) failed
+    ``graph_breaks``, and ``guards_failed``: each compiled function's (``Block.forward (model.py:40)``) failed
     guards, in order."""
     from torch._dynamo.utils import counters, guard_failures
 
-    failures = {getattr(code, "co_qualname", code.co_name): list(reasons) for code, reasons in guard_failures.items() if reasons}
+    failures = {f"{code.co_qualname} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})": list(reasons)
+                for code, reasons in guard_failures.items() if reasons}
     return {"graphs": counters["stats"]["unique_graphs"], "recompiles": sum(map(len, failures.values())),
             "graph_breaks": sum(counters["graph_break"].values()), "guards_failed": failures}
 
