@@ -186,7 +186,7 @@ def local_stages(schedule: str, rank: int) -> list[int]:
 class _Ours:
     name = "ours"
 
-    def __init__(self, cfg: dict, schedule: str, topology, activation_checkpointing: bool = False):
+    def __init__(self, cfg: dict, schedule: str, topology, activation_checkpointing: bool = False, compile=False):
         import torch
         from lightning_pp.runtime import build_pipeline
 
@@ -201,6 +201,7 @@ class _Ours:
             layout=stage_layout(cfg, schedule),
             topology=topology,
             activation_checkpointing=activation_checkpointing,
+            compile=compile,
         )
         self.layout = list(self.executor.partition.layout)
         # Per local stage, the parameters in layer order (for the gradient comparison).

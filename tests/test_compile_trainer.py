@@ -109,7 +109,8 @@ def test_recompilation_after_warmup_warns_naming_function_and_guard():
         warnings.simplefilter("error")  # once is expected (a size 1), no warning
         watch.pipeline_step_end(2)
     block(torch.randn(2, 3, 4, 4, dtype=torch.float64))  # and again: it keeps recompiling
-    with pytest.warns(UserWarning, match=r"compiled Block.forward \(models.py:\d+\) recompiled at step 3, at 2 steps after.*failed last: .*rank"):
+    expected = r"compiled Block.forward \(models.py:\d+\) recompiled at step 3, at 2 steps after.*failed last: .*rank"
+    with pytest.warns(UserWarning, match=expected):
         watch.pipeline_step_end(3)
     assert watch.metrics()["pipeline/recompiles_after_warmup"] == 2
 

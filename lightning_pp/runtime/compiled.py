@@ -107,11 +107,16 @@ class SplitBackward:
         return [g if is_input else w for g, w, is_input in zip(grads, rest, self.is_input)]
 
 
-def split_backend(compiler: str = "inductor", mode: Optional[str] = None, options: Optional[dict] = None) -> Callable:
+def split_backend(compiler: str = "inductor", mode: Optional[str] = None, options: Optional[dict] = None,
+                  split: bool = True) -> Callable:
     """A ``torch.compile`` backend whose backward graphs split into input- and weight-gradient
     parts (``compiler``: ``"inductor"``, with its ``mode`` or ``options``, or ``"aot_eager"``, which
-    keeps torch's eager kernels and their order of operations)."""
+    keeps torch's eager kernels and their order of operations). ``split=False``: the backward
+    whole, for schedules without a separate ``W`` (one graph fuses across both halves)."""
     fixed_mode, fixed_options = mode, options
+
+    def part(graph, inputs, example_inputs, compile_part):
+        return _split(graph, inputs, example_inputs, compile_part) if split else compile_part(graph, inputs)
 
     def backend(gm: fx.GraphModule, example_inputs: list, mode: Optional[str] = fixed_mode,
                 options: Optional[dict] = fixed_options):
@@ -123,7 +128,7 @@ def split_backend(compiler: str = "inductor", mode: Optional[str] = None, option
                 if not kwargs.get("is_backward"):
                     return compile_fx_inner(graph, inputs, **kwargs)
                 kwargs.pop("static_input_idxs", None)  # indices of the whole graph's inputs
-                return _split(graph, inputs, example_inputs, lambda g, x: compile_fx_inner(g, x, **kwargs))
+                return part(graph, inputs, example_inputs, lambda g, x: _uncached(compile_fx_inner, g, x, **kwargs))
 
             patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}  # as torch.compile does
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
@@ -138,12 +143,22 @@ def split_backend(compiler: str = "inductor", mode: Optional[str] = None, option
                 return make_boxed_func(graph.forward)
 
             def backward(graph, inputs):
-                return _split(graph, inputs, example_inputs, lambda g, x: make_boxed_func(g.forward))
+                return part(graph, inputs, example_inputs, lambda g, x: make_boxed_func(g.forward))
 
             return aot_autograd(fw_compiler=forward, bw_compiler=backward)(gm, example_inputs)
         raise ValueError(f"compiler={compiler!r} is invalid: choose 'inductor' or 'aot_eager'.")
 
     return backend
+
+
+def _uncached(compile_fx_inner: Callable, graph: fx.GraphModule, inputs: list, **kwargs: Any) -> Callable:
+    """A backward part compiled without inductor's on-disk graph cache: a part's symbolic sizes
+    come from the whole graph's inputs, which the cache's guards cannot name (seen: ``KeyError:
+    'args'`` when a second process looked up a dynamic-shape part)."""
+    from torch._inductor import config
+
+    with config.patch(fx_graph_cache=False):
+        return compile_fx_inner(graph, inputs, **kwargs)
 
 
 def _split(graph: fx.GraphModule, inputs: list, inputs_of_forward: list, compile_part: Callable) -> SplitBackward:
@@ -169,29 +184,32 @@ _OPTIMIZE_ARGS = {"fullgraph": "nopython", "dynamic": "dynamic", "disable": "dis
 COMPILE_KEYS = ("backend", "mode", "options", *_OPTIMIZE_ARGS)
 
 
-def shared_backend(compiler: str, mode: Optional[str] = None, options: Optional[dict] = None) -> Callable:
+def shared_backend(compiler: str, mode: Optional[str] = None, options: Optional[dict] = None,
+                   split: bool = True) -> Callable:
     """One :func:`split_backend` per compiler and options for the process. torch keys compiled code
     on the backend object (its ``BACKEND_MATCH`` guard), and ``torch.compile`` / ``Module.compile``
     make a new one per call: every layer would recompile the graph its class already has, until
     torch's recompile limit sends the rest to eager. One object: twelve blocks, one compilation."""
-    key = (compiler, mode, repr(sorted((options or {}).items())))
+    key = (compiler, mode, repr(sorted((options or {}).items())), split)
     if key not in _BACKENDS:
-        _BACKENDS[key] = split_backend(compiler, mode, options)
+        _BACKENDS[key] = split_backend(compiler, mode, options, split)
     return _BACKENDS[key]
 
 
-def compile_layer(layer: nn.Module, compiler: str = "inductor", **options: Any) -> nn.Module:
+def compile_layer(layer: nn.Module, compiler: str = "inductor", split: bool = True, **options: Any) -> nn.Module:
     """Compile ``layer`` in place (its state-dict names stay) with the shared :func:`split_backend`
-    of ``compiler``; ``options``: ``mode``, ``options`` (inductor's) and the keys of
-    :data:`COMPILE_KEYS` that ``torch._dynamo.optimize`` takes (``fullgraph``, ``dynamic``, ...)."""
-    # B and W both read the backward's saved buffers (the graph is kept between them): torch must
-    # not donate them to the backward. Its check runs at compile and at backward time, so it is set
-    # for the process.
-    import torch._functorch.config as functorch_config
+    of ``compiler`` (``split=False``: its backward whole); ``options``: ``mode``, ``options``
+    (inductor's) and the keys of :data:`COMPILE_KEYS` that ``torch._dynamo.optimize`` takes
+    (``fullgraph``, ``dynamic``, ...)."""
+    if split:
+        # B and W both read the backward's saved buffers (the graph is kept between them): torch
+        # must not donate them to the backward. Its check runs at compile and at backward time, so
+        # it is set for the process.
+        import torch._functorch.config as functorch_config
 
-    functorch_config.donated_buffer = False
+        functorch_config.donated_buffer = False
     options = dict(options)
-    backend = shared_backend(compiler, options.pop("mode", None), options.pop("options", None))
+    backend = shared_backend(compiler, options.pop("mode", None), options.pop("options", None), split)
     compile_in_place(layer, backend, options)
     return layer
 
@@ -304,7 +322,7 @@ def compile_pipeline_layers(layers: Sequence[nn.Module], option: CompileOption, 
             target = layer._orig_mod
             layer.forward = target.__call__
         for part in compile_targets(target):
-            compile_layer(part, backend, **kwargs)
+            compile_layer(part, backend, split=splits_backward, **kwargs)
         layer._lpp_compiled = True
     if option is False:
         log.info("lightning_pp: layers compiled with torch.compile were recompiled with lightning_pp's split backend "
