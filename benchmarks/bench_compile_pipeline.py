@@ -3,8 +3,9 @@
 * ``compile_step_ratio``: the main job's model (``examples/train_moe_gpt.py``: byte-level MoE GPT,
   6 blocks, hidden 64, 4 experts, context 64; pp=2 x ep=2, two chunks per rank, combined 1F1B, 4
   microbatches, 16 sequences per step, AdamW) on 4 gloo processes, compiled (``compile=True``,
-  inductor) over eager, same weights, steps in alternating blocks after warm-up, median step time
-  (max over ranks). ``compile_first_step_s``: the first compiled step, compilation included.
+  inductor) over eager, same weights, steps in alternating blocks after warm-up (step time: max
+  over ranks; per round the median of a block; the ratio: the median of the rounds' ratios).
+  ``compile_first_step_s``: the first compiled step, compilation included.
 * ``ratio_vs_torch_compiled_1f1b``: ours with ``compile=True`` against
   ``torch.distributed.pipelining``'s ``Schedule1F1B`` with every layer of its stages compiled
   (``torch.compile(layer)``, torchtitan's recipe), the model of ``bench_vs_torch.py`` on 2
@@ -49,12 +50,19 @@ def _timed(step) -> float:
     return max_over_ranks(time.perf_counter() - start)
 
 
-def _alternate(steps: dict, rounds: int, block: int) -> dict:
-    times = {name: [] for name in steps}
+def _alternate(steps: dict, rounds: int, block: int) -> tuple:
+    """Steps in alternating blocks (the order reversed every round): the medians over all steps,
+    and the per-round medians (for ratios paired round by round, which drift on a shared machine
+    does not bias)."""
+    per_round = {name: [] for name in steps}
     for r in range(rounds):
         for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
-            times[name].extend(_timed(steps[name]) for _ in range(block))
-    return {name: statistics.median(values) for name, values in times.items()}
+            per_round[name].append(statistics.median(_timed(steps[name]) for _ in range(block)))
+    return {name: statistics.median(values) for name, values in per_round.items()}, per_round
+
+
+def _paired(per_round: dict, a: str, b: str) -> float:
+    return statistics.median(x / y for x, y in zip(per_round[a], per_round[b]))
 
 
 def _trainer_step(executor, model, batch):
@@ -91,8 +99,8 @@ def _main_job(rank, world, args):
     first = _timed(steps["compiled"])
     for _ in range(args.warmup):
         steps["eager"](), steps["compiled"]()
-    medians = _alternate(steps, args.rounds, args.block)
-    return {"compile_step_ratio": medians["compiled"] / medians["eager"], "compile_first_step_s": first,
+    medians, rounds = _alternate(steps, args.rounds, args.block)
+    return {"compile_step_ratio": _paired(rounds, "compiled", "eager"), "compile_first_step_s": first,
             "eager_step_ms": 1e3 * medians["eager"], "compiled_step_ms": 1e3 * medians["compiled"]}
 
 
@@ -123,11 +131,11 @@ def _vs_torch(rank, world, args):
     for _ in range(args.warmup):
         for step in steps.values():
             step()
-    m = _alternate(steps, args.rounds, args.block)
-    return {"ratio_vs_torch_compiled_1f1b": m["ours_compiled"] / m["torch_compiled"],
-            "ratio_vs_torch_eager_1f1b": m["ours_eager"] / m["torch_eager"],
-            "mlp_compile_step_ratio_ours": m["ours_compiled"] / m["ours_eager"],
-            "mlp_compile_step_ratio_torch": m["torch_compiled"] / m["torch_eager"],
+    m, rounds = _alternate(steps, args.rounds, args.block)
+    return {"ratio_vs_torch_compiled_1f1b": _paired(rounds, "ours_compiled", "torch_compiled"),
+            "ratio_vs_torch_eager_1f1b": _paired(rounds, "ours_eager", "torch_eager"),
+            "mlp_compile_step_ratio_ours": _paired(rounds, "ours_compiled", "ours_eager"),
+            "mlp_compile_step_ratio_torch": _paired(rounds, "torch_compiled", "torch_eager"),
             **{f"{name}_1f1b_ms": 1e3 * value for name, value in m.items()}}
 
 
@@ -167,7 +175,7 @@ def run(args) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=6, help="alternating rounds of --block steps each")
+    p.add_argument("--rounds", type=int, default=12, help="alternating rounds of --block steps each")
     p.add_argument("--block", type=int, default=3)
     p.add_argument("--hidden", type=int, default=512, help="the bench_vs_torch model's width")
     p.add_argument("--batch", type=int, default=64)

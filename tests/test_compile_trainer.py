@@ -88,9 +88,10 @@ def test_trainer_and_fabric_with_compiled_layers_equal_one_device_uncompiled(tmp
         assert out["names"] <= set(one.state_dict()), f"state-dict names changed: {out['names']}"
         metrics = out["metrics"]
         assert metrics["pipeline/compiled_graphs"] > 0, metrics
-        # the bound: one per compiled function (embedding, block, head) for the microbatch of one
-        # sample the short last batch (2 samples, 2 microbatches) gives; none for other sizes
-        assert metrics["pipeline/recompiles_after_warmup"] <= 3, (metrics, out["recompile_warnings"])
+        # the bound: two per compiled function (embedding, block, head): the short last batch (2
+        # samples, microbatches of one, a size torch always specialises), then the symbolic graph
+        # for every other size from the next epoch's first batch on
+        assert metrics["pipeline/recompiles_after_warmup"] <= 6, (metrics, out["recompile_warnings"])
         assert not out["recompile_warnings"], out["recompile_warnings"]
     assert {n for w, n in seen if w == "trainer"} == set(expected)
     assert {n for w, n in seen if w == "fabric"} == set(fabric_expected)
@@ -106,13 +107,17 @@ def test_recompilation_after_warmup_warns_naming_function_and_guard():
     watch.pipeline_step_end(1)
     block(torch.randn(2, 3, 4, dtype=torch.float64))  # another rank of input: a guard fails
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once is expected (a size 1), no warning
+        warnings.simplefilter("error")  # once is expected (a new size), no warning
         watch.pipeline_step_end(2)
-    block(torch.randn(2, 3, 4, 4, dtype=torch.float64))  # and again: it keeps recompiling
-    expected = r"compiled Block.forward \(models.py:\d+\) recompiled at step 3, at 2 steps after.*failed last: .*rank"
-    with pytest.warns(UserWarning, match=expected):
+    block(torch.randn(2, 3, 4, 4, dtype=torch.float64))  # and again: twice is still the bound
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         watch.pipeline_step_end(3)
-    assert watch.metrics()["pipeline/recompiles_after_warmup"] == 2
+    block(torch.randn(2, 3, 4, 4, 4, dtype=torch.float64))  # a third time: it keeps recompiling
+    expected = r"compiled Block.forward \(models.py:\d+\) recompiled at step 4, at 3 steps after.*failed last: .*rank"
+    with pytest.warns(UserWarning, match=expected):
+        watch.pipeline_step_end(4)
+    assert watch.metrics()["pipeline/recompiles_after_warmup"] == 3
 
 
 @pytest.mark.parametrize("value, match", [

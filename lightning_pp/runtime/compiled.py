@@ -234,24 +234,44 @@ def compile_in_place(layer: nn.Module, backend: Any, options: dict) -> None:
 
 
 def _marking_dynamic_dims(compiled: Callable) -> Callable:
-    """``compiled``, called after :func:`_mark_dynamic_dims` on its arguments (in eager code: torch
-    forbids the mark inside a compiled frame)."""
+    """``compiled``, its inputs' batch and sequence dimensions marked dynamic (in eager code: torch
+    forbids the mark inside a compiled frame) from the first call whose sizes differ from the
+    first call's. A job whose shapes never change keeps static-shape kernels (measured: dynamic
+    ones from the first step cost 5% of a compiled 1F1B step on this machine); one whose shapes
+    change (a short last batch, a smaller last microbatch, a new sequence length, an expert's
+    token count) compiles once more, then every size runs the symbolic graph."""
+    state = {"first": None, "dynamic": False}
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        _mark_dynamic_dims(args)
+        if not state["dynamic"]:
+            sizes = _batch_sequence_sizes(args)
+            if state["first"] is None:
+                state["first"] = sizes
+            state["dynamic"] = sizes != state["first"]
+        if state["dynamic"]:
+            _mark_dynamic_dims(args)
         return compiled(*args, **kwargs)
 
     return call
 
 
+def _batch_sequence_dims(arg: torch.Tensor) -> int:
+    """How many leading dimensions of ``arg`` are batch and sequence: the first two, never a
+    floating tensor's last (its features)."""
+    return min(arg.dim() - arg.is_floating_point(), 2) if arg.dim() > 0 else 0
+
+
+def _batch_sequence_sizes(args: tuple) -> tuple:
+    return tuple(tuple(arg.shape[:_batch_sequence_dims(arg)]) for arg in args if isinstance(arg, torch.Tensor))
+
+
 def _mark_dynamic_dims(args: tuple) -> None:
-    """A short last batch, a smaller last microbatch, a shorter sequence, an expert's token count
-    must not recompile: the batch and sequence dimensions of a compiled module's tensor inputs (the
-    first two, but never a floating tensor's last, its features) are marked dynamic, which torch
-    keeps symbolic unless the code fixes them (then it specialises, as without the mark)."""
+    """Mark the batch and sequence dimensions of the tensor inputs dynamic, which torch keeps
+    symbolic unless the code fixes them (then it specialises, as without the mark; sizes 0 and 1
+    always)."""
     for arg in args:
-        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
-            dims = min(arg.dim() - arg.is_floating_point(), 2)
+        if isinstance(arg, torch.Tensor):
+            dims = _batch_sequence_dims(arg)
             if dims > 0:
                 torch._dynamo.maybe_mark_dynamic(arg, list(range(dims)))
 
@@ -346,13 +366,14 @@ class CompileWatch:
     """Counts torch.compile's work on this rank step by step (the executor calls
     :meth:`pipeline_step_end` after every training step when a layer is compiled). The first
     ``warmup_steps`` steps compile; a recompilation after them (a guard that failed: a shape, a
-    dtype, a flag that changed) is counted in ``recompiles_after_warmup``. One per function is
-    expected where a dimension first takes the size 1 (a last microbatch of one sample: torch
-    specialises sizes 0 and 1 even when marked dynamic); when a function keeps recompiling
-    (``warn_after`` times after warm-up) a warning names it (the layer class's ``forward``) and the
-    guard that failed. :class:`~lightning_pp.callbacks.PipelineMonitor` logs :meth:`metrics`."""
+    dtype, a flag that changed) is counted in ``recompiles_after_warmup``. Up to two per function
+    are expected: the first change of a batch or sequence size (the symbolic graph), and a size of
+    1 (a last microbatch of one sample: torch specialises sizes 0 and 1 even when marked dynamic).
+    When a function keeps recompiling (at ``warn_after`` steps after warm-up) a warning names it
+    (the layer class's ``forward``) and the guard that failed last.
+    :class:`~lightning_pp.callbacks.PipelineMonitor` logs :meth:`metrics`."""
 
-    def __init__(self, warmup_steps: int = 2, warn_after: int = 2) -> None:
+    def __init__(self, warmup_steps: int = 2, warn_after: int = 3) -> None:
         self.warmup_steps, self.warn_after = warmup_steps, warn_after
         self._after: dict = {}
         self.start = compile_counts()
