@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_pp.runtime.compiled import CompileWatch
+from lightning_pp.runtime.compile_watch import CompileWatch
 from lightning_pp.runtime.config import ResolvedPipeline
 from lightning_pp.runtime.failure.diagnosis import Diagnosis
 from lightning_pp.runtime.failure.board import FailureBoard, Position
