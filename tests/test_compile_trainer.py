@@ -100,9 +100,16 @@ def test_trainer_and_fabric_with_compiled_layers_equal_one_device_uncompiled(tmp
 def test_recompilation_after_warmup_warns_naming_function_and_guard():
     from lightning_pp.runtime.compile_watch import CompileWatch
     from lightning_pp.runtime.compiled import compile_layer
-    from models import Block
 
-    block = compile_layer(Block(4).double(), compiler="aot_eager")
+    class Scaled(torch.nn.Module):  # a class of its own: no other test's cached graphs for its code
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.tanh(self.linear(x))
+
+    block = compile_layer(Scaled().double(), compiler="aot_eager")
     watch = CompileWatch(warmup_steps=1)
     block(torch.randn(3, 4, dtype=torch.float64))
     watch.pipeline_step_end(1)
@@ -115,7 +122,7 @@ def test_recompilation_after_warmup_warns_naming_function_and_guard():
         warnings.simplefilter("error")
         watch.pipeline_step_end(3)
     block(torch.randn(2, 3, 4, 4, 4, dtype=torch.float64))  # a third time: it keeps recompiling
-    expected = r"compiled Block.forward \(models.py:\d+\) recompiled at step 4, at 3 steps after.*failed last: .*rank"
+    expected = r"compiled .*Scaled.forward \(test_compile_trainer.py:\d+\) recompiled at step 4, at 3 steps after.*failed last: .*rank"
     with pytest.warns(UserWarning, match=expected):
         watch.pipeline_step_end(4)
     assert watch.metrics()["pipeline/recompiles_after_warmup"] == 3
