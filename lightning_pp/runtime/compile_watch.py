@@ -26,14 +26,15 @@ class CompileWatch:
     """Counts torch.compile's work on this rank step by step (the executor calls
     :meth:`pipeline_step_end` after every training step when a layer is compiled). The first
     ``warmup_steps`` steps compile; a recompilation after them (a guard that failed: a shape, a
-    dtype, a flag that changed) is counted in ``recompiles_after_warmup``. Up to two per function
-    are expected: the first change of a batch or sequence size (the symbolic graph), and a size of
-    1 (a last microbatch of one sample: torch specialises sizes 0 and 1 even when marked dynamic).
-    When a function keeps recompiling (at ``warn_after`` steps after warm-up) a warning names it
-    (the layer class's ``forward``) and the guard that failed last.
+    dtype, a flag that changed) is counted in ``recompiles_after_warmup``. Up to three per function
+    are expected: the first change of a batch or sequence size (the symbolic graph), a size of 1 (a
+    last microbatch of one sample: torch specialises sizes 0 and 1 even when marked dynamic), and
+    the first forward without gradients (validation: torch guards on the grad mode). When a
+    function keeps recompiling (at ``warn_after`` steps after warm-up) a warning names it (the
+    layer class's ``forward``) and the guard that failed last.
     :class:`~lightning_pp.callbacks.PipelineMonitor` logs :meth:`metrics`."""
 
-    def __init__(self, warmup_steps: int = 2, warn_after: int = 3) -> None:
+    def __init__(self, warmup_steps: int = 2, warn_after: int = 4) -> None:
         self.warmup_steps, self.warn_after = warmup_steps, warn_after
         self._after: dict = {}
         self.start = compile_counts()
