@@ -205,6 +205,7 @@ def main(argv=None) -> dict:
     p.add_argument("--resume", default=None, help="checkpoint directory to resume from")
     p.add_argument("--generate", type=int, default=96, help="bytes to generate at the end (0: skip)")
     p.add_argument("--no-progress-bar", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile every pipeline layer (docs/compile.md)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.devices)))
@@ -216,7 +217,7 @@ def main(argv=None) -> dict:
                    max_steps=args.max_steps)
     strategy = lightning_pp.PipelineStrategy(
         pipeline_parallel_size=args.pp, expert_parallel_size=args.ep, virtual_pipeline_size=args.vp,
-        num_microbatches=args.microbatches, schedule=args.schedule)
+        num_microbatches=args.microbatches, schedule=args.schedule, compile=args.compile)
     loggers = [CSVLogger(out, name="logs")]
     try:
         from lightning.pytorch.loggers import TensorBoardLogger
