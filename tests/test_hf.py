@@ -159,6 +159,16 @@ def test_a_model_without_plans_is_refused_naming_it_and_the_fix():
         hf.pipeline_layers(model)
 
 
+def test_a_router_loss_the_pipeline_cannot_add_is_refused_naming_the_field():
+    from lightning_pp.integrations import hf
+
+    model = make_hf("qwen3_moe")
+    model.config.output_router_logits = True  # HF would add the load-balancing loss over the whole batch
+    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM has config.output_router_logits=True.*Set "
+                                         r"config.output_router_logits=False"):
+        hf.pipeline_layers(model)
+
+
 def test_a_forward_the_plans_do_not_describe_is_refused_before_the_cut():
     from lightning_pp.integrations import hf
 

@@ -83,6 +83,14 @@ class _Parts:
         if len(names) != 3 or plan[names[0]][0] != ["input_ids"]:
             raise ValueError(f"{name}'s base_model_pp_plan {plan} is not an embedding, a layer list and a norm, "
                              f"which is what this integration drives. {HOW_BY_HAND}")
+        if getattr(self.config, "output_router_logits", False):
+            raise ValueError(
+                f"{name} has config.output_router_logits=True: HF adds the routers' load-balancing loss, "
+                f"computed over the whole batch and every layer at once (token fractions times mean "
+                f"probabilities, concatenated over layers). A pipeline cannot compute it exactly: its "
+                f"backward of the first microbatch starts before the other microbatches' routers have run. "
+                f"The pipeline does not add it. Set config.output_router_logits=False (HF's default), or "
+                f"use lightning_pp.moe's MoE layers, whose router loss is per layer and microbatch (docs/moe.md).")
         self.embed = getattr(self.base, names[0])
         self.layers = getattr(self.base, names[1])
         self.norm = getattr(self.base, names[2])
