@@ -278,14 +278,10 @@ def shard_stage(module: nn.Module, partition, topology: Topology,
         log.info("lightning_pp: data_parallel_sharding='full' with one data-parallel replica per stage shards "
                  "nothing; the stages keep their parameters whole.")
         return None
-    shared = _shared_between_layers(partition)
-    if shared:
-        names = [partition.parameter_names.get(pid, "?") for pid in shared]
-        raise ValueError(
-            f"data_parallel_sharding='full': parameter(s) {', '.join(names[:4])} are shared by two pipeline layers on "
-            f"this rank (a tied embedding and head on one rank, as under the V schedules or pp=1), which FSDP2 "
-            f"cannot shard as two units. Untie them, or use a schedule and pipeline size that put the tied layers "
-            f"on different ranks (the tie is then reduced across the ranks).")
+    # A parameter two layers of this rank share (a tied embedding and head on one rank, as under the
+    # V schedules or pp=1) cannot be in two FSDP2 units: it stays whole, left out of both units, and
+    # is reduced over the replicas as an unsharded parameter is.
+    shared = set(_shared_between_layers(partition))
     fully_shard = fsdp_api()[0]
     dense_mesh, expert_mesh = topology.dp_mesh, topology.mesh["edp"]
     units: list[Unit] = []
@@ -298,7 +294,7 @@ def shard_stage(module: nn.Module, partition, topology: Topology,
             if not before:
                 continue
             experts = _experts_of(layer)
-            ignored: set = set()
+            ignored: set = {p for p in layer.parameters() if id(p) in shared}
             for expert in experts:
                 if topology.dims.edp > 1:
                     fully_shard(expert, mesh=expert_mesh, reshard_after_forward=False)
