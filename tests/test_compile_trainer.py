@@ -132,6 +132,7 @@ def test_recompilation_after_warmup_warns_naming_function_and_guard():
     ("yes", r"compile='yes' is invalid: pass False, True"),
     ({"fullgrph": True}, r"fullgrph is not one of the torch.compile keyword arguments.*fullgraph"),
     ({"mode": "max-autotune", "options": {"a": 1}}, r"give mode or options, not both"),
+    ({"backend": "aot_eager", "mode": "max-autotune"}, r"mode and options are inductor's; the backend 'aot_eager'"),
 ])
 def test_bad_compile_values_are_errors_naming_the_rule(value, match):
     import lightning_pp

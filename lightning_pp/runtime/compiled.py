@@ -310,6 +310,10 @@ def check_compile_option(value: Any) -> None:
                          f"arguments the pipeline passes on: {', '.join(allowed)}.")
     if value.get("mode") is not None and value.get("options"):
         raise ValueError(f"compile={dict(value)!r}: give mode or options, not both (torch.compile's rule).")
+    backend = value.get("backend") or "inductor"
+    if (value.get("mode") is not None or value.get("options")) and backend != "inductor":
+        raise ValueError(f"compile={dict(value)!r}: mode and options are inductor's; the backend {backend!r} takes "
+                         f"neither. Drop them, or use backend='inductor'.")
 
 
 def _user_compiled(layer: nn.Module) -> bool:
@@ -330,8 +334,7 @@ def compile_pipeline_layers(layers: Sequence[nn.Module], option: CompileOption, 
             log.warning(f"lightning_pp: compile backend {backend!r} is not one whose backward lightning_pp splits "
                         f"({', '.join(SPLIT_COMPILERS)}): under the zero-bubble schedule each compiled layer's W "
                         f"runs its whole backward again.")
-        if kwargs.pop("mode", None) is not None or kwargs.pop("options", None):
-            raise ValueError(f"compile: mode and options are inductor's; the backend {backend!r} takes neither.")
+        kwargs.pop("mode", None), kwargs.pop("options", None)  # None here (check_compile_option)
         for layer in layers:
             for part in compile_targets(layer):
                 compile_in_place(part, backend, kwargs)
