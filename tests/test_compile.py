@@ -102,3 +102,20 @@ def test_inductor_split_matches_eager():
     torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-5)
     for p, q in zip(compiled.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_deep_copy_of_a_compiled_layer_computes_with_its_own_weights():
+    """EMA and SWA callbacks deep-copy the module: the copy's compiled forward must read the copy's
+    parameters (a compiled bound method would keep the original's), for torch's own classes too."""
+    for make in (lambda: Block(8), lambda: nn.Linear(8, 8)):
+        layer = compile_layer(make().double(), compiler="aot_eager")
+        x = torch.randn(3, 8, dtype=torch.float64)
+        layer(x)
+        twin = copy.deepcopy(layer)
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(2.0)
+        eager = copy.deepcopy(twin)
+        eager.forward = type(eager).forward.__get__(eager)  # the class's forward, uncompiled
+        torch.testing.assert_close(twin(x), eager(x), rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(twin(x), layer(x))

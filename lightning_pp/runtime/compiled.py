@@ -26,6 +26,7 @@ Under the other schedules the backward stays whole (``split=False``), one graph 
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -226,12 +227,14 @@ def compile_in_place(layer: nn.Module, backend: Any, options: dict) -> None:
     # ``torch.compile(module)``, instead of breaking it. torch's own module classes (nn.Linear,
     # nn.Sequential): dynamo skips their frames, which would leave them eager, silently; their
     # forward is compiled through a frame dynamo traces.
-    forward = layer.forward
-    if torch._dynamo.trace_rules.check(forward):
+    # The class's function is compiled and bound to the layer, so a deep copy of the layer (EMA,
+    # SWA) binds the copy: a compiled bound method would keep computing with the original's weights.
+    function = type(layer).forward
+    if torch._dynamo.trace_rules.check(layer.forward):
         from torch._dynamo.external_utils import wrap_inline
 
-        forward = wrap_inline(forward)
-    layer.forward = _marking_dynamic_dims(optimize(forward))
+        function = wrap_inline(function)
+    layer.forward = types.MethodType(_marking_dynamic_dims(optimize(function)), layer)
     layer._compiled_call_impl = None  # a user's own layer.compile() is replaced by this one
     layer._lpp_compiled = True
 
@@ -245,7 +248,7 @@ def _marking_dynamic_dims(compiled: Callable) -> Callable:
     token count) compiles once more, then every size runs the symbolic graph."""
     state = {"first": None, "dynamic": False}
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not state["dynamic"]:
             sizes = _batch_sequence_sizes(args)
             if state["first"] is None:
@@ -253,7 +256,7 @@ def _marking_dynamic_dims(compiled: Callable) -> Callable:
             state["dynamic"] = sizes != state["first"]
         if state["dynamic"]:
             _mark_dynamic_dims(args)
-        return compiled(*args, **kwargs)
+        return compiled(module, *args, **kwargs)
 
     return call
 
