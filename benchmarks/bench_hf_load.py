@@ -22,14 +22,13 @@ the parameters it holds after the cut), and what stays added at the end.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_meta_init import _rss_kb  # noqa: E402
+from bench_meta_init import _rss_kb, model_size_main, share_figures  # noqa: E402
 from common import launch  # noqa: E402
 
 PATHS = ("from_pretrained", "meta+load")
@@ -100,28 +99,13 @@ def run(args) -> dict:
         results = {path: launch(_measure, args.ranks, args, path, tmp, timeout=900) for path in PATHS}
     figures = {"hf_full_model_mb": total / 2**20}
     for path, per_rank in results.items():
-        key = "hf_" + path.replace("+", "_")
-        figures[f"{key}_peak_over_share_max"] = max(r["peak_mb"] / r["share_mb"] for r in per_rank)
-        figures[f"{key}_end_over_share_max"] = max(r["end_mb"] / r["share_mb"] for r in per_rank)
-        figures[f"{key}_per_rank"] = [(round(r["share_mb"], 1), round(r["peak_mb"], 1)) for r in per_rank]
+        figures.update(share_figures("hf_" + path.replace("+", "_"), per_rank))
     figures["hf_read_over_share_max"] = max(r["read_mb"] / r["share_mb"] for r in results["meta+load"])
     return figures
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--layers", type=int, default=16, help="a multiple of --ranks")
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.width, args.vocab = 256, 1024
-    figures = run(args)
-    for name, value in figures.items():
-        print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
-    return figures
+    return model_size_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -114,16 +114,23 @@ def run(args) -> dict:
         results = {path: launch(_measure, args.ranks, args, path, checkpoint, timeout=600) for path in PATHS}
     figures = {"full_model_mb": total / 2**20}
     for path, per_rank in results.items():
-        key = path.replace("+", "_")
-        figures[f"{key}_peak_over_share_max"] = max(r["peak_mb"] / r["share_mb"] for r in per_rank)
-        figures[f"{key}_end_over_share_max"] = max(r["end_mb"] / r["share_mb"] for r in per_rank)
-        figures[f"{key}_per_rank"] = [(round(r["share_mb"], 1), round(r["peak_mb"], 1)) for r in per_rank]
+        figures.update(share_figures(path.replace("+", "_"), per_rank))
     figures["full_over_largest_share"] = figures["full_model_mb"] / max(s for s, _ in figures["meta_per_rank"])
     return figures
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def share_figures(key: str, per_rank: list) -> dict:
+    """A path's figures from each rank's ``share_mb`` / ``peak_mb`` / ``end_mb``: the largest peak
+    and end over the share, and (share, peak) per rank."""
+    return {f"{key}_peak_over_share_max": max(r["peak_mb"] / r["share_mb"] for r in per_rank),
+            f"{key}_end_over_share_max": max(r["end_mb"] / r["share_mb"] for r in per_rank),
+            f"{key}_per_rank": [(round(r["share_mb"], 1), round(r["peak_mb"], 1)) for r in per_rank]}
+
+
+def model_size_main(doc: str, run, argv=None) -> dict:
+    """The command line of the model-size memory benchmarks (this one, ``bench_hf_load.py``): parse,
+    ``run``, print every figure."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--layers", type=int, default=16, help="a multiple of --ranks")
     p.add_argument("--width", type=int, default=1024)
@@ -136,6 +143,10 @@ def main(argv=None) -> dict:
     for name, value in figures.items():
         print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
     return figures
+
+
+def main(argv=None) -> dict:
+    return model_size_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":
