@@ -55,8 +55,9 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from lightning_pp.integrations.hf_checkpoint import init_weights, load_pretrained, save_pretrained  # noqa: E402
+from lightning_pp.integrations.hf_moe import HFMoEDecoderLayer, is_stacked_moe_layer  # noqa: E402
 
-__all__ = ["HFDecoderLayer", "HFEmbedding", "HFHead", "LitHF", "check_adapters", "init_weights", "labels_of",
+__all__ = ["HFDecoderLayer", "HFEmbedding", "HFHead", "HFMoEDecoderLayer", "LitHF", "check_adapters", "init_weights", "labels_of",
            "load_pretrained", "pipeline_inputs", "pipeline_layers", "pipeline_loss", "save_pretrained"]
 
 IGNORE_INDEX = -100
@@ -112,6 +113,19 @@ class _Parts:
         self.layer_type = [getattr(layer, "attention_type", None) or (types[i] if types else default)
                            for i, layer in enumerate(self.layers)]
 
+    def layer_kwargs(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                     layer_type: str) -> dict:
+        """What the base model's forward passes a decoder layer of ``layer_type``."""
+        masks = self.masks(hidden, attention_mask, position_ids)
+        kwargs: dict[str, Any] = dict(attention_mask=masks[layer_type],
+                                      position_ids=position_ids, past_key_values=None, use_cache=False,
+                                      cache_position=torch.arange(hidden.shape[1], device=hidden.device))
+        if self.rotary_by_type:
+            kwargs["position_embeddings"] = self.rotary(hidden, position_ids, layer_type)
+        elif self.rotary is not None:
+            kwargs["position_embeddings"] = self.rotary(hidden, position_ids)
+        return kwargs
+
     def masks(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """The attention mask of every layer type, as the base model builds them for a forward."""
         cache_position = torch.arange(hidden.shape[1], device=hidden.device)
@@ -151,16 +165,7 @@ class HFDecoderLayer(nn.Module):
         self.layer_type = parts.layer_type[index]
 
     def forward(self, hidden, attention_mask, position_ids):
-        parts = self.parts
-        masks = parts.masks(hidden, attention_mask, position_ids)
-        kwargs: dict[str, Any] = dict(attention_mask=masks[self.layer_type],
-                                      position_ids=position_ids, past_key_values=None, use_cache=False,
-                                      cache_position=torch.arange(hidden.shape[1], device=hidden.device))
-        if parts.rotary_by_type:
-            kwargs["position_embeddings"] = parts.rotary(hidden, position_ids, self.layer_type)
-        elif parts.rotary is not None:
-            kwargs["position_embeddings"] = parts.rotary(hidden, position_ids)
-        out = self.layer(hidden, **kwargs)
+        out = self.layer(hidden, **self.parts.layer_kwargs(hidden, attention_mask, position_ids, self.layer_type))
         return (out[0] if isinstance(out, tuple) else out), attention_mask, position_ids
 
 
@@ -187,8 +192,9 @@ def pipeline_layers(model: nn.Module, check: bool = True) -> list[nn.Module]:
     if cached is not None:
         return cached
     parts = _Parts(model)
-    layers: list[nn.Module] = [HFEmbedding(parts), *(HFDecoderLayer(parts, layer, i) for i, layer in enumerate(parts.layers)),
-                               HFHead(parts)]
+    layers: list[nn.Module] = [HFEmbedding(parts), HFHead(parts)]
+    layers[1:1] = [HFMoEDecoderLayer(parts, layer, i) if is_stacked_moe_layer(layer) else HFDecoderLayer(parts, layer, i)
+                   for i, layer in enumerate(parts.layers)]
     if check and not any(p.is_meta for p in model.parameters()):
         check_adapters(model, layers)
     model.__dict__["_lpp_hf_layers"] = layers

@@ -18,7 +18,11 @@ Experts are built for the whole model (so one process is the unsharded reference
 :meth:`ExpertParallelMoE.setup_expert_parallel` (called by the runtime after cutting) keeps only
 this rank's share of them in the layer's experts ``ModuleList``, the others replaced by
 :class:`ExpertOnOtherRank`; local experts keep their global names (``experts.5.fc1.weight``), so
-checkpoints re-shard across expert-parallel sizes. The parameters of ``expert_list()`` are the
+checkpoints re-shard across expert-parallel sizes. A layer whose experts are stacked in one module
+(``stacked_experts = True``: ``expert_list()`` holds that one module, whose parameters have every
+expert along dim 0, as Hugging Face's fused ``gate_up_proj``) keeps its rows of each stacked
+parameter instead, under the same names (:mod:`lightning_pp.runtime.cut.stacked`), and supplies
+``expert_forward(e, rows)``. The parameters of ``expert_list()`` are the
 expert parameters (marked ``_lpp_expert = True`` there) and are reduced over the
 expert-data-parallel group; every other parameter of the layer is dense. Routing is dropless unless
 ``capacity_factor`` is set.
@@ -42,6 +46,7 @@ from lightning_pp.moe.state import DispatchState, MoERouting
 from lightning_pp.runtime.plans import context
 from lightning_pp.runtime.plans.nodes import LayerNodes
 from lightning_pp.runtime.cut.partition import drop_keys_held_elsewhere
+from lightning_pp.runtime.cut.stacked import shard_rows_of
 from lightning_pp.runtime.plans.plan import PlanEvent, ScheduleNode, StageDispatchBwdGrad, get_comm_stream, get_comp_stream
 from lightning_pp.runtime.transport.waits import LaunchedWork, wait_for
 
@@ -105,6 +110,8 @@ class ExpertParallelMoE(nn.Module):
 
     #: How the expert count is called where the user sets it (named by the divisibility error).
     num_experts_field = "num_experts"
+    #: True: ``expert_list()`` holds one module whose parameters stack every expert along dim 0.
+    stacked_experts = False
 
     def __init__(self, num_experts: int, top_k: int, capacity_factor: Optional[float] = None,
                  a2a_delay: float = 0.0) -> None:
@@ -120,6 +127,11 @@ class ExpertParallelMoE(nn.Module):
     def expert_list(self) -> nn.ModuleList:
         """The experts, indexed by global expert id; each maps rows ``[n, C]`` to ``[n, C]``."""
         raise NotImplementedError
+
+    def expert_forward(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` (global id, held on this rank) on its rows ``[n, C]``. Stacked experts
+        override it (the local rows of the stacked parameters are experts ``first..``)."""
+        return self.expert_list()[e](rows)
 
     def moe_pre(self, *inputs: Any) -> MoERouting:
         """Everything before the experts (attention, norms, router)."""
@@ -149,6 +161,11 @@ class ExpertParallelMoE(nn.Module):
         mark_expert_parameters(experts)
         self.ep_group, self.ep_rank, self.ep_size = group, ep_rank, ep_size
         local = self.num_local_experts
+        if self.stacked_experts:
+            if ep_size > 1:
+                shard_rows_of(experts[0], self.num_experts, ep_rank, ep_size, group, device.type)
+            self.use_staging = True
+            return
         for e in range(self.num_experts):
             if not ep_rank * local <= e < (ep_rank + 1) * local:
                 experts[e] = ExpertOnOtherRank(e, e // local)
@@ -270,11 +287,10 @@ class ExpertParallelMoE(nn.Module):
             received = StageDispatchBwdGrad.apply(received, lambda grad: stage_dispatch_bwd_grad(pool, slot, grad))
         index = state.expert_major
         grouped = received[index]
-        experts = self.expert_list()
         outputs, start = [], 0
         first = self.ep_rank * self.num_local_experts
         for e, count in enumerate(state.expert_counts):
-            outputs.append(experts[first + e](grouped[start:start + count]))
+            outputs.append(self.expert_forward(first + e, grouped[start:start + count]))
             start += count
         if self.pool is not None and slot is not None and all(o.dtype == self.pool.dtype for o in outputs):
             # Zero-copy: the experts' rows land in the combine's persistent send buffer, back in

@@ -113,7 +113,9 @@ def check_expert_placement(module: nn.Module, layers: list[nn.Module]) -> None:
     experts: list[nn.Module] = []
     for sub in (sub for layer in layers for sub in layer.modules() if isinstance(sub, ExpertParallelLayer)):
         listed, count = sub.expert_list(), getattr(sub, "num_experts", None)
-        if not isinstance(listed, nn.ModuleList) or (count is not None and len(listed) != count):
+        if getattr(sub, "stacked_experts", False):
+            _check_stacked(sub, listed, count)
+        elif not isinstance(listed, nn.ModuleList) or (count is not None and len(listed) != count):
             what = f"a ModuleList of {len(listed)}" if isinstance(listed, nn.ModuleList) else type(listed).__name__
             raise ValueError(
                 f"{type(sub).__name__}.expert_list() returned {what}: it must return the nn.ModuleList of all "
@@ -144,6 +146,21 @@ def check_expert_placement(module: nn.Module, layers: list[nn.Module]) -> None:
             f"are in no expert-parallel layer's expert_list(), so it cannot be told which expert-parallel rank "
             f"holds them. Return their modules from the layer's expert_list() (subclass "
             f"lightning_pp.moe.ExpertParallelMoE), or do not mark them (dense parameters need no marking).")
+
+
+def _check_stacked(sub: nn.Module, listed: Any, count: Optional[int]) -> None:
+    """A layer with stacked experts lists one module, every parameter of which stacks ``count``
+    experts along dim 0 (each expert-parallel rank keeps its rows)."""
+    name = type(sub).__name__
+    if not isinstance(listed, nn.ModuleList) or len(listed) != 1:
+        raise ValueError(f"{name} has stacked_experts=True, so its expert_list() must be a ModuleList holding the one "
+                         f"module whose parameters stack every expert along dim 0; it returned {type(listed).__name__}"
+                         f"{f' of {len(listed)}' if isinstance(listed, nn.ModuleList) else ''}.")
+    wrong = [f"{n} {tuple(p.shape)}" for n, p in listed[0].named_parameters() if p.dim() == 0 or p.shape[0] != count]
+    if wrong:
+        raise ValueError(f"{name}'s stacked experts hold parameter(s) {', '.join(wrong[:4])} whose dim 0 is not the "
+                         f"{count} experts: each expert-parallel rank keeps its rows of dim 0, so every parameter of "
+                         f"the stacked module must have one row per expert.")
 
 
 def find_executor(module: nn.Module) -> Optional[PipelineExecutor]:

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_pp.runtime.build import find_executor
+from lightning_pp.runtime.cut.stacked import as_global, global_shape, local_rows, stacked_rows
 from lightning_pp.runtime.step.sharded_grads import is_dtensor, shard_like
 
 PARAM_ORDER_RULE = (
@@ -148,8 +149,10 @@ def optimizer_state(module: nn.Module, optimizer: Any) -> dict:
     index = optimizer_index(module, optimizer)
     packed = optimizer.state_dict()  # indices numbered through this rank's groups
     global_of = [g for group in index.local for g in group]
-    state = {str(global_of[k]): v for k, v in packed["state"].items()
-             if isinstance(k, int) and global_of[k] is not None}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # A parameter holding its rows of stacked experts: its states go in as views of the global tensor.
+    state = {str(global_of[k]): {key: as_global(params[k], value) for key, value in v.items()}
+             for k, v in packed["state"].items() if isinstance(k, int) and global_of[k] is not None}
     param_groups = []
     for g, group in enumerate(packed["param_groups"]):
         full = {key: value for key, value in group.items() if key not in ("params", "param_names")}
@@ -181,13 +184,13 @@ def _group_problem(index: OptimizerIndex, saved_groups: list, where: str) -> Opt
 def _shape_problem(name: str, index: int, key: str, shape: torch.Size, param: torch.Tensor,
                    where: str) -> Optional[str]:
     try:
-        fits = torch.broadcast_shapes(tuple(shape), param.shape) == param.shape
+        fits = torch.broadcast_shapes(tuple(shape), global_shape(param)) == global_shape(param)
     except RuntimeError:
         fits = False
     if fits:
         return None
     return (f"the optimizer state {key!r} of parameter {name} (index {index}) has shape {tuple(shape)} in {where} "
-            f"but the parameter has shape {tuple(param.shape)}: the checkpoint belongs to a model with other "
+            f"but the parameter has shape {tuple(global_shape(param))}: the checkpoint belongs to a model with other "
             f"shapes, or its parameter groups list the parameters in another order. {PARAM_ORDER_RULE}")
 
 
@@ -222,7 +225,10 @@ def _assign(index: OptimizerIndex, optimizer: torch.optim.Optimizer, state: dict
 
 def sharded_as(param: torch.Tensor, value: Any) -> Any:
     """A whole state tensor of a sharded parameter (read from a checkpoint saved without sharding,
-    or at another data-parallel size) laid out as the parameter is: this rank's shard."""
+    or at another data-parallel size) laid out as the parameter is: this rank's shard (or its rows
+    of stacked experts)."""
+    if stacked_rows(param) is not None:
+        return local_rows(param, value)
     if is_dtensor(param) and isinstance(value, torch.Tensor) and not is_dtensor(value) and value.shape == param.shape:
         return shard_like(param, value)
     return value

@@ -10,7 +10,9 @@ Initialisation is the model's own, module by module: ``reset_parameters()`` wher
 it, then ``init_fn(module)`` if given (litgpt: ``GPT._init_weights``). Each module is initialised
 with the random generator seeded from the run's seed and the module's name, so the values do not
 depend on which rank materialises which layers: a one-device run that materialises the whole
-model with the same seed gets the same weights (and is what the tests compare with).
+model with the same seed gets the same weights (and is what the tests compare with). A parameter
+that holds only its rank's rows of experts stacked along dim 0 (:mod:`.stacked`) is initialised
+whole, then cut to its rows, for the same reason.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+
+from lightning_pp.runtime.cut.stacked import global_shape, stacked_rows
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -43,6 +47,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int,
     the modules of that subtree (named as in ``module``, so seeded alike), e.g. one layer at a time
     where each is sharded as soon as it exists."""
     replaced: dict[int, nn.Parameter] = {}
+    stacked: list[nn.Parameter] = []
     touched: list[tuple[str, nn.Module]] = []
     inside = None if within is None else {id(m) for m in within.modules()}
     for name, sub in module.named_modules():
@@ -54,9 +59,11 @@ def materialize(module: nn.Module, device: torch.device, seed: int,
                 continue
             new = replaced.get(id(p))
             if new is None:
-                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                new = nn.Parameter(torch.empty(global_shape(p), dtype=p.dtype, device=device), requires_grad=p.requires_grad)
                 new.__dict__.update(p.__dict__)
                 replaced[id(p)] = new
+                if stacked_rows(p) is not None:
+                    stacked.append(new)
             sub._parameters[key] = new
             meta = True
         for key, b in list(sub._buffers.items()):
@@ -83,4 +90,8 @@ def materialize(module: nn.Module, device: torch.device, seed: int,
                     reset()
                 if init_fn is not None:
                     init_fn(sub)
+    with torch.no_grad():
+        for p in stacked:  # initialised whole, as on one device; this rank keeps its rows
+            shard = stacked_rows(p)
+            p.data = p.data.narrow(0, shard.start, shard.rows).clone()
     return replaced

@@ -211,6 +211,12 @@ def _experts_of(layer: nn.Module) -> list[nn.Module]:
     found = []
     for sub in layer.modules():
         if isinstance(sub, ExpertParallelLayer):
+            if getattr(sub, "stacked_experts", False) and getattr(sub, "ep_size", 1) > 1:
+                raise ValueError(
+                    f"{type(sub).__name__} stacks its experts in one tensor per weight, sharded by rows over the "
+                    f"expert-parallel group; data_parallel_sharding='full' would shard those rows again over the "
+                    f"expert-data-parallel group, which lightning_pp does not do yet. Use data_parallel_sharding='none' "
+                    f"with expert_parallel_size > 1, or expert_parallel_size=1 with 'full'.")
             found.extend(e for e in sub.expert_list() if any(True for _ in e.parameters()))
     return found
 
