@@ -13,6 +13,12 @@ configuration uses the measured per-action compute and all-to-all costs.
 
     python benchmarks/bench_a2a_overlap.py            # full
     python benchmarks/bench_a2a_overlap.py --quick
+    python benchmarks/bench_a2a_overlap.py --model hf # a transformers Qwen3-MoE, its fused experts expert-parallel
+
+``--model hf`` runs the same measurement on a Hugging Face ``Qwen3MoeForCausalLM`` of the same
+sizes (4 decoder layers, hidden 128, 4 experts top-2, expert width 256), pipelined from its own
+plans by ``lightning_pp.integrations.hf`` (its layers :class:`HFMoEDecoderLayer`), and prints
+``hf_moe_a2a_hidden_fraction``.
 """
 
 from __future__ import annotations
@@ -28,9 +34,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import link_args, launch, max_over_ranks, summary  # noqa: E402
 
 
+def _hf_model(cfg: dict):
+    import torch
+    import transformers
+    from torch import nn
+
+    from lightning_pp.integrations import hf
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"], moe_intermediate_size=cfg["ffn"],
+        num_hidden_layers=cfg["blocks"], num_attention_heads=cfg["heads"], num_key_value_heads=cfg["heads"],
+        num_experts=cfg["experts"], num_experts_per_tok=cfg["top_k"], max_position_embeddings=cfg["seq"])
+
+    class HFLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = transformers.Qwen3MoeForCausalLM(config)
+
+        def pipeline_layers(self):
+            layers = hf.pipeline_layers(self.model)
+            for layer in layers:
+                if isinstance(layer, hf.HFMoEDecoderLayer):
+                    layer.a2a_delay = cfg["delay"]
+            return layers
+
+        def pipeline_inputs(self, batch):
+            return hf.pipeline_inputs({"input_ids": batch[0]})
+
+        def pipeline_loss(self, logits, batch):
+            return hf.pipeline_loss(logits, {"input_ids": batch[0]})
+
+    return HFLM()
+
+
 def _model(cfg: dict):
     import torch
     from torch import nn
+
+    if cfg.get("model") == "hf":
+        return _hf_model(cfg)
 
     from lightning_pp.moe import MoEBlock
 
@@ -128,7 +171,8 @@ def _ideal(cfg: dict, r: dict) -> dict:
 def run(args: Any = None) -> dict:
     args = args or parse_args([])
     cfg = dict(pp=1, ep=2, microbatches=16, batch=32, seq=32, vocab=64, hidden=128, heads=4, ffn=256, experts=4,
-               top_k=2, blocks=4, delay=args.delay, warmup=2, steps=6 if args.quick else 20)
+               top_k=2, blocks=4, delay=args.delay, warmup=2, steps=6 if args.quick else 20,
+               model=getattr(args, "model", "builtin"))
     world = cfg["pp"] * cfg["ep"]
     r = launch(_measure, world, cfg)[0]
     plain, combined = summary(r["times"]["1f1b"]), summary(r["times"]["combined_1f1b"])
@@ -153,6 +197,10 @@ def format_report(res: dict) -> str:
                       ("a2a exposed 1f1b", "a2a_exposed_1f1b"), ("a2a exposed combined", "a2a_exposed_combined")):
         s = res[key]
         lines.append(f"{name:24}{s['median']:10.4f}{s['q1']:10.4f}{s['q3']:10.4f}")
+    if c.get("model") == "hf":
+        lines[0] = "transformers Qwen3MoeForCausalLM (fused experts, expert-parallel): " + lines[0].removeprefix("MoE LM: ")
+        return "\n".join(lines + [f"hf_moe_a2a_hidden_fraction: {res['a2a_hidden_fraction']:.3f}",
+                                   f"hf_moe_a2a_hidden_fraction_ideal: {res['a2a_hidden_fraction_ideal']:.3f}"])
     lines += [
         f"a2a_hidden_fraction: {res['a2a_hidden_fraction']:.3f}",
         f"a2a_hidden_fraction_by_waits: {res['a2a_hidden_fraction_by_waits']:.3f}",
@@ -162,7 +210,15 @@ def format_report(res: dict) -> str:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    return link_args(__doc__, argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model = "builtin"
+    if "--model" in argv:
+        i = argv.index("--model")
+        model = argv[i + 1]
+        del argv[i:i + 2]
+    args = link_args(__doc__, argv)
+    args.model = model
+    return args
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Runs each benchmark in turn (each spawns its own gloo processes), prints its tab
 summary lines: ratio_vs_torch_<schedule> for 1f1b, interleaved, zb1p, zb1p_vp2, zbv and dualpipev,
 ratio_best_vs_torch_best, bubble_measured_over_simulated_<schedule> (and ``_calibrated``, with the
 measured transfer cost; ``_per_stage`` and ``_per_stage_calibrated``, with each stage's own costs),
-a2a_hidden_fraction, ratio_vs_torch_moe_combined,
+a2a_hidden_fraction, hf_moe_a2a_hidden_fraction, ratio_vs_torch_moe_combined,
 ratio_vs_torch_moe_dualpipev, peak_memory_ratio_vs_torch, sharded_state_bytes_ratio,
 sharded_peak_memory_ratio, sharded_step_ratio, ratio_vs_torch_fsdp_1f1b (and its peak memory),
 reduce_scatter_hidden_fraction, zb_compiled_backward_ratio, monitor_overhead, batch_check_bound,
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import statistics
 import sys
 import time
@@ -81,6 +82,12 @@ def main(argv=None) -> dict:
     section("All-to-all hidden by combined 1F1B (emulated link)", "bench_a2a_overlap",
             argparse.Namespace(delay=0.0015, quick=False),
             {"a2a_hidden_fraction": "a2a_hidden_fraction", "a2a_hidden_fraction_ideal": "a2a_hidden_fraction_ideal"})
+    if importlib.util.find_spec("transformers") is not None:
+        section("All-to-all hidden by combined 1F1B: a transformers Qwen3-MoE, fused experts expert-parallel",
+                "bench_a2a_overlap", argparse.Namespace(delay=0.0015, quick=q, model="hf"),
+                {"hf_moe_a2a_hidden_fraction": "a2a_hidden_fraction"})
+    else:
+        print("\n## hf_moe_a2a_hidden_fraction skipped: transformers is not installed (pip install 'lightning_pp[hf]')")
     section("MoE over a slow expert link vs torch.distributed.pipelining", "bench_moe_vs_torch",
             argparse.Namespace(delay=0.0015, quick=q),
             {"ratio_vs_torch_moe_1f1b": "ratio_vs_torch_moe_1f1b", "ratio_vs_torch_moe_combined": "ratio_vs_torch_moe_combined",
