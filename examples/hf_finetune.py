@@ -2,6 +2,7 @@
 LightningCLI, and write the result back in HF's format.
 
     python examples/hf_finetune.py fit --config examples/hf.yaml
+    python examples/hf_finetune.py fit --config examples/hf_moe.yaml   # Qwen3-MoE, pp=2 x ep=2, combined 1F1B
 
 The model is transformers' own (``AutoModelForCausalLM`` from the checkpoint's config), wrapped by
 ``lightning_pp.integrations.hf.LitHF``: built on the meta device, each pipeline rank materialises
@@ -62,15 +63,19 @@ class StdlibTokens(L.LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.batch_size)
 
 
-def make_checkpoint(path: Path, data_args: dict, steps: int = 40) -> None:
-    """The "pretrained" checkpoint, on one device: a tiny Llama, a short pretraining on the other
-    half of the corpus, written with ``save_pretrained``."""
-    print(f"making the HF checkpoint {path} on one device ({steps} steps)", flush=True)
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+FAMILIES = {"llama": TINY,  # the "pretrained" models the example makes, by the YAML's model_type
+            "qwen3_moe": dict(TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)}
+
+
+def make_checkpoint(path: Path, data_args: dict, steps: int = 40, model_type: str = "llama") -> None:
+    """The "pretrained" checkpoint, on one device: a tiny model of ``model_type`` (a Llama, or a
+    Qwen3-MoE for examples/hf_moe.yaml), a short pretraining on the other half of the corpus,
+    written with ``save_pretrained``."""
+    print(f"making the HF checkpoint {path} ({model_type}) on one device ({steps} steps)", flush=True)
     torch.manual_seed(0)
-    model = LitHF(model_type="llama", config=dict(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                                  max_position_embeddings=128),
-                  optimizer_args={"lr": 3e-3})
+    model = LitHF(model_type=model_type, config=FAMILIES[model_type], optimizer_args={"lr": 3e-3})
     data = StdlibTokens(**{**data_args, "part": 0})
     L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(model, data)
@@ -99,11 +104,12 @@ def main(args=None):
     if "--config" in argv and "LOCAL_RANK" not in os.environ:  # the launching process, before any rank
         config = yaml.safe_load(open(argv[argv.index("--config") + 1]))
         checkpoint = config["model"]["init_args"]["checkpoint"]
+        model_type = config["model"]["init_args"].get("model_type") or "llama"
         for arg in argv:  # a checkpoint path given on the command line
             if arg.startswith("--model.init_args.checkpoint="):
                 checkpoint = arg.split("=", 1)[1]
         if not Path(checkpoint).exists():
-            make_checkpoint(Path(checkpoint), config.get("data", {}))
+            make_checkpoint(Path(checkpoint), config.get("data", {}), model_type=model_type)
     torch.set_num_threads(1)
     return CLI(LitHF, StdlibTokens, subclass_mode_model=True, args=args, save_config_callback=None)
 

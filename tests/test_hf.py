@@ -244,8 +244,11 @@ def test_a_local_hf_checkpoint_loads_per_rank_and_a_trained_pipeline_saves_one_f
 
 
 @pytest.mark.timeout(300)
-def test_hf_example_makes_a_checkpoint_fine_tunes_it_from_lightningcli_and_saves_it_in_hf_format(tmp_path):
-    """examples/hf_finetune.py with examples/hf.yaml, as the README and docs/integrations.md print it."""
+@pytest.mark.parametrize("yaml_file", ["hf.yaml", "hf_moe.yaml"])
+def test_hf_example_makes_a_checkpoint_fine_tunes_it_from_lightningcli_and_saves_it_in_hf_format(tmp_path, yaml_file):
+    """examples/hf_finetune.py with examples/hf.yaml (a Llama, pp=2) and examples/hf_moe.yaml (a
+    Qwen3-MoE, pp=2 x ep=2, combined 1F1B, 4 processes), as the README and docs/integrations.md
+    print them."""
     import os
     import subprocess
     import sys
@@ -254,7 +257,7 @@ def test_hf_example_makes_a_checkpoint_fine_tunes_it_from_lightningcli_and_saves
     root = Path(__file__).resolve().parents[1]
     checkpoint = tmp_path / "hf" / "pretrained"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, str(root / "examples" / "hf_finetune.py"), "fit", "--config", str(root / "examples" / "hf.yaml"),
+    cmd = [sys.executable, str(root / "examples" / "hf_finetune.py"), "fit", "--config", str(root / "examples" / yaml_file),
            f"--model.init_args.checkpoint={checkpoint}", "--trainer.max_steps=6", "--trainer.val_check_interval=3",
            "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=260)
@@ -264,5 +267,6 @@ def test_hf_example_makes_a_checkpoint_fine_tunes_it_from_lightningcli_and_saves
     assert "validation loss (nats/byte):" in out and "saved in HF's format" in out
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint.parent / "finetuned"))
     original = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    assert type(reloaded).__name__ == ("Qwen3MoeForCausalLM" if "moe" in yaml_file else "LlamaForCausalLM")
     changed = [n for (n, a), (_, b) in zip(reloaded.named_parameters(), original.named_parameters()) if not torch.equal(a, b)]
     assert changed, "fine-tuning changed no weight"
