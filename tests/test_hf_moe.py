@@ -1,7 +1,7 @@
 """Hugging Face mixture-of-experts models expert-parallel, their fused expert tensors sharded by
 rows under HF's names (``lightning_pp.integrations.hf_moe``): tiny Qwen3-MoE and Mixtral at
 pp=2 x ep=2 (4 gloo processes, dp=2: each data-parallel rank takes its half of every batch) under
-combined 1F1B (vp 1 and 2) and 1F1B, equal to the same HF model trained on one device (float64,
+combined 1F1B (vp 1 and 2), 1F1B and DualPipeV, equal to the same HF model trained on one device (float64,
 1e-9: losses and every parameter by its HF name, a rank's expert rows against the same rows of the
 one-device tensor). In the same launch: under combined 1F1B the MoE layers' all-to-alls overlap
 another microbatch's compute; a sharded checkpoint saved at ep=2 resumes at ep=1 and one saved at
@@ -10,8 +10,8 @@ loads into the sharded model; the trained model saves a directory ``from_pretrai
 model built on the meta device at ep=2 gets the weights a one-device materialisation gives, and
 reads only its rows of a ``save_pretrained`` directory.
 
-The one-device reference is :func:`test_hf.one_device`: the batch cut into 4 microbatches, which
-are the pipeline's (2 per data-parallel half, in order), so HF's float32 norms round alike."""
+The one-device reference is :func:`test_hf.one_device`: the batch cut into 8 microbatches, which
+are the pipeline's (4 per data-parallel half, in order), so HF's float32 norms round alike."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from test_hf import STEPS, HFFromPretrained, HFPipe, batches, make_hf, one_devic
 PP, EP, DP, WORLD = 2, 2, 2, 4
 MICROBATCHES = 4  # per data-parallel rank: the reference's 8 over the whole batch
 CASES = [("qwen3_moe", "combined_1f1b", 1), ("qwen3_moe", "combined_1f1b", 2), ("mixtral", "1f1b", 1),
-         ("mixtral", "combined_1f1b", 1)]
+         ("mixtral", "combined_1f1b", 1), ("qwen3_moe", "dualpipev", 2)]
 SEED = 5
 
 
@@ -190,7 +190,7 @@ def test_hf_moe_pp2_ep2_equals_one_device_under_every_schedule_with_hf_names(lau
             assert got["moe_layers"] > 0 and got["a2a_waits"] > 0
             if schedule == "combined_1f1b":
                 assert got["overlapped"] > 0, f"rank {rank}: no MoE layer's forward was paired with another's backward"
-            else:
+            elif schedule == "1f1b":
                 assert got["overlapped"] == 0
         assert seen == set(ref_params) and keys == set(one_device_shapes), family
     assert all(per_rank[rank][0][0]["reloaded"] for rank in range(WORLD))
