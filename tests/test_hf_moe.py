@@ -24,38 +24,42 @@ transformers = pytest.importorskip("transformers")
 from distributed import run_distributed  # noqa: E402
 from test_hf import STEPS, HFFromPretrained, HFPipe, batches, make_hf, one_device  # noqa: E402
 
-PP, EP, DP, WORLD = 2, 2, 2, 4
-MICROBATCHES = 4  # per data-parallel rank: the reference's 8 over the whole batch
+PP, EP, WORLD = 2, 2, 4
 CASES = [("qwen3_moe", "combined_1f1b", 1), ("qwen3_moe", "combined_1f1b", 2), ("mixtral", "1f1b", 1),
          ("mixtral", "combined_1f1b", 1), ("qwen3_moe", "dualpipev", 2)]
 SEED = 5
 
 
-def _dp_slice(batch, dp_rank):
-    return {k: torch.tensor_split(v, DP)[dp_rank] for k, v in batch.items()}
+def _dp_slice(batch, topology):
+    return {k: torch.tensor_split(v, topology.dp)[topology.dp_rank] for k, v in batch.items()}
 
 
 def _rows(p):
     """(first global row held here, the tensor) of a stacked expert parameter; (None, it) of any other."""
     from lightning_pp.runtime.cut.stacked import stacked_rows
 
-    shard = stacked_rows(p)
-    return (shard.start if shard else None), p.detach().clone()
+    from lightning_pp.runtime.step.sharded_grads import is_dtensor
+
+    shard = stacked_rows(p)  # (with FSDP2 the rows are gathered: a DTensor's whole is the rank's rows)
+    return (shard.start if shard else None), (p.full_tensor() if is_dtensor(p) else p).detach().clone()
 
 
-def _build(family, schedule="combined_1f1b", vp=1, ep=EP, pipe=None):
+def _build(family, schedule="combined_1f1b", vp=1, ep=EP, pipe=None, pp=PP, sharding="none"):
+    """The pipeline; each data-parallel rank's share of a batch cut into microbatches of one row,
+    the reference's 8 microbatches."""
     from lightning_pp.runtime import build_pipeline
 
     pipe = pipe if pipe is not None else HFPipe(family)
-    executor = build_pipeline(pipe, pipeline_parallel_size=PP, virtual_pipeline_size=vp, num_microbatches=MICROBATCHES,
-                              schedule=schedule, expert_parallel_size=ep)
+    executor = build_pipeline(pipe, pipeline_parallel_size=pp, virtual_pipeline_size=vp,
+                              num_microbatches=8 * pp // WORLD, schedule=schedule, expert_parallel_size=ep,
+                              data_parallel_sharding=sharding)
     return pipe, executor, torch.optim.AdamW(pipe.parameters(), lr=1e-2)
 
 
 def _steps(pipe, executor, opt, steps):
     losses = []
     for batch in steps:
-        losses.append(float(executor.train_step(_dp_slice(batch, executor.topology.dp_rank)).loss))
+        losses.append(float(executor.train_step(_dp_slice(batch, executor.topology)).loss))
         opt.step()
         opt.zero_grad()
     return losses
@@ -146,9 +150,38 @@ def _meta_cases(rank, world, src):
     return dict(initialised=initialised, read=read, loaded=loaded, held=held)
 
 
+def _sharded_cases(rank, world, tmp):
+    """data_parallel_sharding="full": at pp=2 x ep=2 (edp=1: the experts' rows stay whole, the rest
+    sharded over dp=2), and at pp=1 x ep=2 x edp=2 (each rank's rows sharded again over its edp
+    pair), whose checkpoint after two steps resumes unsharded at pp=2 x ep=1."""
+    from lightning_pp.integrations import hf
+    from lightning_pp.strategies import checkpoint as ckpt
+
+    out = []
+    pipe, executor, opt = _build("qwen3_moe", sharding="full")
+    out.append(dict(losses=_steps(pipe, executor, opt, batches()), params=_params(pipe, executor)))
+    executor.close()
+    pipe, executor, opt = _build("qwen3_moe", pp=1, sharding="full")
+    nested = any(getattr(getattr(p, "_lpp_stacked", None), "nested", None) is not None for p in pipe.parameters())
+    losses = _steps(pipe, executor, opt, batches()[:2])
+    _save(pipe, opt, f"{tmp}/sharded")
+    losses += _steps(pipe, executor, opt, batches()[2:])
+    hf.save_pretrained(pipe.model, f"{tmp}/sharded_hf")
+    out.append(dict(losses=losses, params=_params(pipe, executor), nested=nested))
+    one = {f"model.{k}": v for k, v in make_hf("qwen3_moe").state_dict().items()}
+    ckpt.load_full_state_dict(pipe, one)  # a one-device state dict: each rank takes its shard of its rows
+    out.append(dict(params=_params(pipe, executor)))
+    executor.close()
+    pipe, executor, opt = _build("qwen3_moe", schedule="1f1b", ep=1)
+    _load(pipe, opt, f"{tmp}/sharded")
+    out.append(dict(losses=_steps(pipe, executor, opt, batches()[2:]), params=_params(pipe, executor)))
+    executor.close()
+    return out
+
+
 def _all_cases(rank, world, tmp):
     return (_train_cases(rank, world, f"{tmp}/trained"), _resume_cases(rank, world, tmp),
-            _meta_cases(rank, world, f"{tmp}/src"))
+            _meta_cases(rank, world, f"{tmp}/src"), _sharded_cases(rank, world, tmp))
 
 
 def _check(params, reference, what):
@@ -241,15 +274,25 @@ def test_meta_init_at_ep2_equals_one_device_and_each_rank_reads_only_its_rows(la
         assert got["read"]["bytes"] == got["held"] < total / 2, (rank, got["read"], got["held"], total)
 
 
-def test_stacked_experts_do_not_combine_with_full_data_parallel_sharding_yet():
-    """Refused by name before any rank builds FSDP units (the rows would be sharded twice)."""
-    from lightning_pp.integrations import hf
-    from lightning_pp.runtime.step.sharding import _experts_of
-
-    layer = hf.pipeline_layers(make_hf("qwen3_moe"))[1]
-    layer.ep_size = 2
-    with pytest.raises(ValueError, match="HFMoEDecoderLayer stacks its experts.*data_parallel_sharding='none'"):
-        _experts_of(layer)
+@pytest.mark.timeout(480)
+def test_fused_experts_under_full_data_parallel_sharding_equal_one_device_and_resume_unsharded(launched):
+    tmp, per_rank = launched
+    ref_losses, ref_params = one_device("qwen3_moe", microbatches=8)
+    saved = {n: p.detach() for n, p in make_hf("qwen3_moe").named_parameters()}
+    for case, what in ((0, "pp=2 x ep=2, sharded"), (1, "pp=1 x ep=2 x edp=2, sharded"), (3, "resumed unsharded")):
+        seen = set()
+        for rank in range(WORLD):
+            got = per_rank[rank][3][case]
+            expected = ref_losses[2:] if case == 3 else ref_losses
+            assert got["losses"] == pytest.approx(expected, rel=1e-9), (what, rank)
+            seen |= _check(got["params"], ref_params, f"{what} rank {rank}")
+        assert seen == set(ref_params), what
+    assert all(per_rank[rank][3][1]["nested"] for rank in range(WORLD))  # the rows really sharded twice
+    for rank in range(WORLD):
+        _check(per_rank[rank][3][2]["params"], saved, f"one-device state dict into the sharded model, rank {rank}")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp / "sharded_hf"), dtype=torch.float64)
+    for name, p in reloaded.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
 assert STEPS == 3  # the resume cases split the reference's three steps as 2 + 1

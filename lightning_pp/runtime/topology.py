@@ -78,6 +78,10 @@ class Topology:
     edp_group: Optional[dist.ProcessGroup] = None
     mesh: object = None  # the ("pp", "edp", "ep") device mesh
     dp_mesh: object = None  # its flattened data-parallel dimension ("dp": edp x ep), kept here
+    # The stage's ("ep", "edp") mesh (ep > 1 and edp > 1 only): experts stacked in one tensor are
+    # cut into rows over ep, then FSDP2 shards each rank's rows over edp; their checkpoint view is
+    # the global tensor sharded along dim 0 over this mesh, ep first (lightning_pp.runtime.cut.stacked).
+    ep_edp_mesh: object = None
 
     @property
     def pp(self) -> int:
@@ -129,6 +133,11 @@ def build_topology(pp: int, ep: int = 1, device_type: str = "cpu") -> Topology:
 
     mesh = init_device_mesh(device_type, (dims.pp, dims.edp, dims.ep), mesh_dim_names=("pp", "edp", "ep"))
     dp_mesh = mesh["edp", "ep"]._flatten("dp")
+    ep_edp_mesh = None
+    if dims.ep > 1 and dims.edp > 1:  # made on every rank alike (a mesh's groups are collective to make)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ep_edp_mesh = DeviceMesh(device_type, mesh.mesh.permute(0, 2, 1), mesh_dim_names=("pp", "ep", "edp"))["ep", "edp"]
     return Topology(
         dims=dims,
         rank=dist.get_rank(),
@@ -138,4 +147,5 @@ def build_topology(pp: int, ep: int = 1, device_type: str = "cpu") -> Topology:
         edp_group=mesh.get_group("edp"),
         mesh=mesh,
         dp_mesh=dp_mesh,
+        ep_edp_mesh=ep_edp_mesh,
     )

@@ -228,8 +228,9 @@ def sharded_as(param: torch.Tensor, value: Any) -> Any:
     or at another data-parallel size) laid out as the parameter is: this rank's shard (or its rows
     of stacked experts)."""
     if stacked_rows(param) is not None:
-        return local_rows(param, value)
-    if is_dtensor(param) and isinstance(value, torch.Tensor) and not is_dtensor(value) and value.shape == param.shape:
+        return local_rows(param, value)  # (FSDP2 over the rows: their shard)
+    if (is_dtensor(param) and param.device_mesh.ndim == 1 and isinstance(value, torch.Tensor) and not is_dtensor(value)
+            and value.shape == param.shape):
         return shard_like(param, value)
     return value
 

@@ -41,6 +41,9 @@ class StackedRows:
     group: Any  # the process group the rows are sharded over (the expert-parallel group)
     device_type: str
     _mesh: Any = field(default=None, repr=False)
+    #: Set when FSDP2 shards the rows again over the expert-data-parallel group: the 2-D
+    #: ("ep", "edp") mesh of the stage, over which the global tensor is sharded twice along dim 0.
+    nested: Any = field(default=None, repr=False)
 
     def mesh(self):
         if self._mesh is None:
@@ -60,9 +63,16 @@ def global_shape(param: torch.Tensor) -> torch.Size:
     return torch.Size((shard.total, *param.shape[1:])) if shard is not None else param.shape
 
 
+def _is_dtensor(t: Any) -> bool:
+    from lightning_pp.runtime.step.sharded_grads import is_dtensor
+
+    return is_dtensor(t)
+
+
 def as_global(param: torch.Tensor, value: Any) -> Any:
-    """``value`` (a tensor of ``param``'s local shape: the parameter itself or a state of it) as a
-    DTensor view over the global tensor, for a checkpoint; anything else unchanged."""
+    """``value`` (a tensor of ``param``'s local shape: the parameter itself or a state of it; with
+    FSDP2, its DTensor over the expert-data-parallel group) as a DTensor view over the global
+    tensor, for a checkpoint; anything else unchanged."""
     shard = stacked_rows(param)
     if shard is None or not isinstance(value, torch.Tensor) or value.is_meta or value.shape != param.shape:
         return value
@@ -70,24 +80,37 @@ def as_global(param: torch.Tensor, value: Any) -> Any:
 
     shape = global_shape(param)
     stride = torch.empty(shape, device="meta").stride()
+    if _is_dtensor(value):  # FSDP2's shard of the rows: the rows split over ep, each again over edp
+        if shard.nested is None:
+            return value
+        return DTensor.from_local(value.to_local(), shard.nested, [Shard(0), Shard(0)], shape=shape, stride=stride,
+                                  run_check=False)
     return DTensor.from_local(value, shard.mesh(), [Shard(0)], shape=shape, stride=stride, run_check=False)
 
 
 def local_rows(param: torch.Tensor, value: Any) -> Any:
     """``value`` (a whole tensor of ``param``'s global shape, or a DTensor of it) cut to the rows
-    this rank holds; anything else unchanged."""
+    this rank holds; anything else unchanged. A DTensor laid out as :func:`as_global` makes it is
+    returned as this rank's part: the plain rows, or (FSDP2) the DTensor of ``param``'s layout."""
     shard = stacked_rows(param)
     if shard is None or not isinstance(value, torch.Tensor):
         return value
-    from lightning_pp.runtime.step.sharded_grads import is_dtensor
+    if _is_dtensor(value):
+        if value.shape[0] == shard.total and value.device_mesh == shard.mesh():
+            return value.to_local()
+        if value.shape[0] == shard.total and shard.nested is not None and value.device_mesh == shard.nested \
+                and _is_dtensor(param):
+            from torch.distributed.tensor import DTensor
 
-    if is_dtensor(value):
-        same = value.device_mesh == shard.mesh() and value.shape[0] == shard.total
-        value = value.to_local() if same else value.full_tensor()
-        if same:
-            return value
+            return DTensor.from_local(value.to_local(), param.device_mesh, param.placements, shape=param.shape,
+                                      stride=param.stride(), run_check=False)
+        value = value.full_tensor()
     if value.dim() and value.shape[0] == shard.total and value.shape[1:] == param.shape[1:]:
-        return value.narrow(0, shard.start, shard.rows)
+        value = value.narrow(0, shard.start, shard.rows)
+        if _is_dtensor(param):  # FSDP2 shards the rows again: this rank's part of them
+            from lightning_pp.runtime.step.sharded_grads import shard_like
+
+            value = shard_like(param, value)
     return value
 
 

@@ -34,6 +34,7 @@ from typing import Callable, Literal, Optional
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pp.runtime.cut.stacked import stacked_rows
 from lightning_pp.runtime.protocols import ExpertParallelLayer
 from lightning_pp.runtime.step.sharded_grads import is_dtensor
 from lightning_pp.runtime.timeline import SpanKind, Timeline
@@ -147,6 +148,9 @@ class StageSharding:
         slot = self._slot[id(unit)]
         self._post_until(slot + self.AHEAD)
         unit.waited = True
+        for other in self._queue[slot]:  # a layer's units together: its experts' modules may never run
+            if other is not unit and not other.waited:  # their own forward (stacked experts are indexed)
+                self._wait_unit(other)
         if unit.handle is None:
             return
         timeline = self.timeline
@@ -211,12 +215,6 @@ def _experts_of(layer: nn.Module) -> list[nn.Module]:
     found = []
     for sub in layer.modules():
         if isinstance(sub, ExpertParallelLayer):
-            if getattr(sub, "stacked_experts", False) and getattr(sub, "ep_size", 1) > 1:
-                raise ValueError(
-                    f"{type(sub).__name__} stacks its experts in one tensor per weight, sharded by rows over the "
-                    f"expert-parallel group; data_parallel_sharding='full' would shard those rows again over the "
-                    f"expert-data-parallel group, which lightning_pp does not do yet. Use data_parallel_sharding='none' "
-                    f"with expert_parallel_size > 1, or expert_parallel_size=1 with 'full'.")
             found.extend(e for e in sub.expert_list() if any(True for _ in e.parameters()))
     return found
 
@@ -268,6 +266,7 @@ def adopt_user_sharding(module: nn.Module, partition, topology: Topology, mode: 
                 f"{wanted}: inside a pipeline, shard over the data-parallel dimension only, "
                 f"fully_shard(block, mesh=self.device_mesh[{'edp' if expert else 'dp'!r}]).")
         units.append(Unit(sub, c, expert, layer=_layer_number(partition, layer)))
+    _nest_stacked(units, topology)
     _init_roots(units)
     return StageSharding(units, len(partition.chunks))
 
@@ -317,8 +316,19 @@ def shard_stage(module: nn.Module, partition, topology: Topology,
                     new.__dict__.update(markers)
                     replaced[old_id] = new
             partition.follow(replaced)
+    _nest_stacked(units, topology)
     _init_roots(units)
     return StageSharding(units, len(partition.chunks)) if units else None
+
+
+def _nest_stacked(units: list[Unit], topology: Topology) -> None:
+    """Experts stacked in one tensor, their rows now sharded again by FSDP2 over edp: record the
+    ("ep", "edp") mesh their checkpoint view is sharded over (:mod:`lightning_pp.runtime.cut.stacked`)."""
+    for unit in units:
+        for p in unit.module.parameters():
+            shard = stacked_rows(p)
+            if shard is not None and is_dtensor(p):
+                shard.nested = topology.ep_edp_mesh
 
 
 def _shared_between_layers(partition) -> list[int]:
