@@ -296,3 +296,31 @@ def test_fused_experts_under_full_data_parallel_sharding_equal_one_device_and_re
 
 
 assert STEPS == 3  # the resume cases split the reference's three steps as 2 + 1
+
+
+def test_compile_compiles_an_hf_moe_layers_parts_and_keeps_its_numbers():
+    """compile= on HFMoEDecoderLayer compiles the modules its routing calls (norms, attention,
+    router: compile_parts), not the HF decoder layer it holds, whose own forward never runs;
+    aot_eager keeps eager's kernels, so outputs and gradients are equal bit for bit."""
+    from lightning_pp.integrations import hf
+    from lightning_pp.runtime.compile_watch import compile_counts
+    from lightning_pp.runtime.compiled import compile_pipeline_layers
+
+    torch._dynamo.reset()
+    compiled, eager = make_hf("qwen3_moe"), make_hf("qwen3_moe")
+    layers, reference = hf.pipeline_layers(compiled), hf.pipeline_layers(eager)
+    compile_pipeline_layers(layers[1:-1], {"backend": "aot_eager"}, False)
+
+    def run(stack):
+        x = hf.pipeline_inputs(batches()[0])
+        for layer in stack:
+            x = layer(*x) if isinstance(x, tuple) else layer(x)
+        return x
+
+    out, expected = run(layers), run(reference)
+    out.sum().backward()
+    expected.sum().backward()
+    assert torch.equal(out, expected)
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert compile_counts()["graphs"] >= 3  # the norm, the attention and the router, each compiled once

@@ -92,6 +92,12 @@ class HFMoEDecoderLayer(ExpertParallelMoE):
     def expert_list(self) -> nn.ModuleList:
         return nn.ModuleList([self.layer.mlp.experts])
 
+    def compile_parts(self) -> list[nn.Module]:
+        """What ``compile=`` compiles (the modules ``moe_pre`` calls; the experts are indexed rows of
+        the fused tensors, computed eagerly, and the all-to-alls stay outside)."""
+        layer = self.layer
+        return [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp.gate]
+
     def moe_pre(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> MoERouting:
         """The decoder layer up to its MLP, then the MoE block's routing."""
         layer = self.layer

@@ -286,11 +286,16 @@ def compile_targets(layer: nn.Module) -> list[nn.Module]:
     """What compiling a pipeline layer compiles: the layer; for a layer that communicates inside
     (an expert-parallel MoE block, whose schedule-plan nodes call its parts between all-to-alls),
     its parts: each child module, and each expert this rank holds, so every compute node is
-    compiled and every all-to-all stays outside."""
+    compiled and every all-to-all stays outside. A layer whose parts are not its children (an
+    adapter holding a whole foreign layer, as ``integrations.hf.HFMoEDecoderLayer``) names them with
+    a ``compile_parts()`` method."""
     from lightning_pp.runtime.protocols import ProvidesScheduleNodes
 
     if not isinstance(layer, ProvidesScheduleNodes):
         return [layer]
+    named = getattr(layer, "compile_parts", None)
+    if callable(named):
+        return list(named())
     parts = []
     for child in layer.children():
         children = list(child) if isinstance(child, nn.ModuleList) else [child]
