@@ -1,5 +1,5 @@
 """Hugging Face transformers causal LMs pipelined from their own plans
-(``lightning_pp.integrations.hf``): ten families, tied and untied embeddings, sliding-window
+(``lightning_pp.integrations.hf``): eleven families, tied and untied embeddings, sliding-window
 layers, left-padded batches, under 1F1B and interleaved 1F1B at pp=2, equal to the same HF model
 trained on one device (float64, 1e-9: losses and every parameter by its HF name); a local checkpoint
 read per rank and written back; the README.md and docs/integrations.md example. Tiny random-weight
@@ -29,6 +29,8 @@ FAMILIES = {  # name: (config class, model class, what the family adds)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
                                                                  moe_intermediate_size=8, head_dim=4)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,  # a shared expert
+                                                                 moe_intermediate_size=8, shared_expert_intermediate_size=16)),
 }
 STEPS = 3
 

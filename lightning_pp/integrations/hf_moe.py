@@ -28,11 +28,14 @@ after, so bf16 runs may differ from HF in the last bits.
 The router's auxiliary load-balancing loss (``config.output_router_logits=True``) is refused at
 setup: HF computes it over the whole batch and every layer at once, which a pipeline cannot.
 
-A decoder layer is driven this way when it has exactly that structure (``self_attn``, ``mlp``
-holding only ``gate`` and ``experts``, the two norms, and a fused experts module); anything else
-(a shared expert, extra norms) stays a plain :class:`~lightning_pp.integrations.hf.HFDecoderLayer`
-(correct, but its experts are dense: replicated, not expert-parallel). The first
-``pipeline_layers`` call checks the layers against the model's own forward either way.
+A decoder layer is driven this way when it has that structure (``self_attn``, the two norms, an
+``mlp`` holding ``gate`` and a fused ``experts`` module, and possibly more modules, such as
+Qwen2-MoE's gated shared expert: what those add is computed by the block's own forward with its
+experts giving zeros and its router the routing already made, then added to the routed experts'
+sum as the block adds it); anything else (extra norms) stays a plain
+:class:`~lightning_pp.integrations.hf.HFDecoderLayer` (correct, but its experts are dense:
+replicated, not expert-parallel). The first ``pipeline_layers`` call checks the layers against the
+model's own forward either way.
 """
 
 from __future__ import annotations
@@ -62,12 +65,24 @@ def is_stacked_moe_layer(layer: nn.Module) -> bool:
     mlp = getattr(layer, "mlp", None)
     if children != _LAYER_PARTS or mlp is None:
         return False
-    if {name for name, _ in mlp.named_children()} != {"gate", "experts"} or list(mlp.parameters(recurse=False)):
+    if not {"gate", "experts"} <= {name for name, _ in mlp.named_children()} or list(mlp.parameters(recurse=False)):
         return False
     experts, gate = mlp.experts, mlp.gate
     up = "gate_up_proj" if getattr(experts, "has_gate", True) else "up_proj"
     return (isinstance(getattr(experts, "num_experts", None), int) and isinstance(getattr(gate, "top_k", None), int)
             and _stacked(experts, up) and _stacked(experts, "down_proj"))
+
+
+class _Given(nn.Module):
+    """Stands in for an MoE block's router or experts while the block's own forward computes its
+    dense part: the router gives the routing already computed, the experts nothing (zeros)."""
+
+    def __init__(self, routing: Any = None) -> None:
+        super().__init__()
+        self.routing = routing
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self.routing if self.routing is not None else torch.zeros_like(hidden_states)
 
 
 class HFMoEDecoderLayer(ExpertParallelMoE):
@@ -83,6 +98,8 @@ class HFMoEDecoderLayer(ExpertParallelMoE):
         self.layer = layer
         self.index = index
         self.layer_type = parts.layer_type[index]
+        # What the MoE block adds besides its routed experts (Qwen2-MoE's gated shared expert).
+        self.dense_parts = [child for name, child in layer.mlp.named_children() if name not in ("gate", "experts")]
         field = next((f for f in _EXPERT_COUNT_FIELDS if getattr(parts.config, f, None) == experts.num_experts), None)
         self.num_experts_field = f"config.{field}" if field else f"{type(experts).__name__}.num_experts"
 
@@ -96,7 +113,7 @@ class HFMoEDecoderLayer(ExpertParallelMoE):
         """What ``compile=`` compiles (the modules ``moe_pre`` calls; the experts are indexed rows of
         the fused tensors, computed eagerly, and the all-to-alls stay outside)."""
         layer = self.layer
-        return [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp.gate]
+        return [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp.gate, *self.dense_parts]
 
     def moe_pre(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> MoERouting:
         """The decoder layer up to its MLP, then the MoE block's routing."""
@@ -110,8 +127,24 @@ class HFMoEDecoderLayer(ExpertParallelMoE):
         if mlp.training and jitter > 0:
             normed = normed * torch.empty_like(normed).uniform_(1.0 - jitter, 1.0 + jitter)
         tokens = normed.reshape(-1, normed.shape[-1])
-        _, probs, indices = mlp.gate(tokens)
-        return MoERouting((hidden, attention_mask, position_ids), tokens, probs, indices)
+        routing = mlp.gate(tokens)
+        _, probs, indices = routing
+        carry = (hidden, attention_mask, position_ids)
+        if self.dense_parts:
+            carry += (self._dense(normed, routing),)
+        return MoERouting(carry, tokens, probs, indices)
+
+    def _dense(self, normed: torch.Tensor, routing: Any) -> torch.Tensor:
+        """The MoE block's own forward with its experts giving zeros and its router the routing
+        already made: what the block adds to the routed experts' sum (a shared expert's gated
+        output), computed as the block computes it."""
+        mlp = self.layer.mlp
+        experts, gate = mlp._modules["experts"], mlp._modules["gate"]
+        mlp._modules["experts"], mlp._modules["gate"] = _Given(), _Given(routing)
+        try:
+            return mlp(normed)
+        finally:
+            mlp._modules["experts"], mlp._modules["gate"] = experts, gate
 
     def expert_forward(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` as HF's experts module computes it, from this rank's rows of the fused tensors."""
@@ -134,8 +167,11 @@ class HFMoEDecoderLayer(ExpertParallelMoE):
 
     def moe_post(self, carry: tuple, mixed: torch.Tensor) -> tuple:
         """The residual after the MLP; the mask and positions travel on to the next layer."""
-        hidden, attention_mask, position_ids = carry
-        return hidden + mixed.view(hidden.shape).to(hidden.dtype), attention_mask, position_ids
+        hidden, attention_mask, position_ids = carry[:3]
+        routed = mixed.view(hidden.shape).to(hidden.dtype)
+        if len(carry) > 3:  # the block's sum: its routed experts' output, then its dense part added
+            routed = routed + carry[3]
+        return hidden + routed, attention_mask, position_ids
 
 
 __all__ = ["HFMoEDecoderLayer", "is_stacked_moe_layer"]
