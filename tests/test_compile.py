@@ -119,3 +119,35 @@ def test_a_deep_copy_of_a_compiled_layer_computes_with_its_own_weights():
         eager.forward = type(eager).forward.__get__(eager)  # the class's forward, uncompiled
         torch.testing.assert_close(twin(x), eager(x), rtol=1e-12, atol=1e-12)
         assert not torch.allclose(twin(x), layer(x))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_activation_checkpointing_is_inside_the_compiled_graph(split):
+    """A layer marked for activation checkpointing and then compiled recomputes inside its compiled
+    backward: its forward saves only its input (and the weights it already holds), not the hidden
+    activations an unmarked compiled layer saves; run_layer adds no checkpoint around it; the
+    gradients are the eager ones (aot_eager keeps eager's kernels), the zero-bubble split too."""
+    from lightning_pp.runtime.layer import run_layer
+
+    def saved_bytes_and_grads(checkpointed: bool):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64)).double()
+        layer._lpp_checkpoint = checkpointed
+        compile_layer(layer, "aot_eager", split=split)
+        x = torch.randn(32, 64, dtype=torch.float64, requires_grad=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            out = run_layer(layer, x)
+        weights = sum(p.numel() * p.element_size() for p in layer.parameters())
+        out.sum().backward()
+        return sum(saved) - weights, [x.grad, *(p.grad for p in layer.parameters())], layer
+
+    plain, plain_grads, _ = saved_bytes_and_grads(False)
+    inside, inside_grads, layer = saved_bytes_and_grads(True)
+    assert layer._lpp_checkpoint_compiled
+    activations = 32 * (256 + 256 + 256 + 256) * 8  # the two hidden layers' pre- and post-tanh values
+    assert plain >= activations / 2, plain  # compiled without the checkpoint: hidden activations saved
+    assert inside <= 32 * 64 * 8 * 2, inside  # with it: little beyond the input
+    for a, b in zip(plain_grads, inside_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

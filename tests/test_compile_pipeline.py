@@ -1,7 +1,7 @@
 """``compile=`` through the runtime (issue 23): every schedule on two gloo processes with each
 pipeline layer compiled in place, equal to the uncompiled model on one device (float64); the
 zero-bubble schedules with the split backward, a layer the user compiled, activation
-checkpointing around compiled layers, sequence lengths and a last microbatch that change without
+checkpointing inside the compiled layers' graphs, sequence lengths and a last microbatch that change without
 recompiling, state-dict names as the user's."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ CASES = [
     # the user's own block.compile() (inductor), under zb1p: recompiled with the split backward
     dict(model="regressor", schedule="zb1p", m=4, batch=9, compile=False, user_compiled=True),
     # compile=True: inductor, whose kernels fuse and reorder: in float64 still within 1e-9 here
-    dict(model="regressor", schedule="interleaved", vp=2, m=4, batch=8, compile=True),
+    dict(model="regressor", schedule="interleaved", vp=2, m=4, batch=8, compile=True, ac=True),
     # a backend the pipeline does not split (dynamo's "eager"): used as given, a warning under zb1p
     dict(model="regressor", schedule="zb1p", m=4, batch=8, compile={"backend": "eager"}),
     # torch.compile(block) kept in the model (OptimizedModule; its names hold _orig_mod), under zbv
@@ -76,6 +76,9 @@ def _run(rank, world, cases):
         # every layer; with the user's own compile, the blocks the user compiled (recompiled, split)
         compiled = [getattr(layer, "_lpp_compiled", False) for layer in layers
                     if not case.get("user_compiled") or isinstance(getattr(layer, "_orig_mod", layer), Block)]
+        # activation checkpointing inside the compiled graphs, not around them
+        inside = [getattr(layer, "_lpp_checkpoint_compiled", False) for layer in layers
+                  if getattr(layer, "_lpp_checkpoint", False)]
         losses, grads, params = pipelined_run(executor, model, make_batches(case["model"], case["batch"]))
         after = compile_counts()
         # New sizes: the first change may compile the symbolic graph once; later ones reuse it.
@@ -83,7 +86,7 @@ def _run(rank, world, cases):
         settled = compile_counts()["graphs"]
         _new_sizes(executor, case, [1, 2])
         out_graphs_after_sizes = compile_counts()["graphs"] - settled
-        out.append(dict(losses=losses, grads=grads, params=params, compiled=compiled, names=set(model.state_dict()),
+        out.append(dict(losses=losses, grads=grads, params=params, compiled=compiled, names=set(model.state_dict()), inside=inside,
                         graphs=after["graphs"] - before["graphs"],
                         graphs_after_sizes=out_graphs_after_sizes, recompiles=after["recompiles"] - before["recompiles"],
                         guards={k: v[len(before["guards_failed"].get(k, [])):] for k, v in after["guards_failed"].items()}))
@@ -99,6 +102,7 @@ def test_compiled_layers_every_schedule_equal_one_device_uncompiled():
         seen = set()
         for rank, result in enumerate(r[i] for r in per_rank):
             assert result["compiled"] and all(result["compiled"]), f"{case}: rank {rank}: uncompiled {result['compiled']}"
+            assert bool(result["inside"]) == bool(case.get("ac")) and all(result["inside"]), (case, rank, result["inside"])
             assert result["names"] <= set(reference.state_dict()), f"{case}: state-dict names changed: {result['names']}"
             assert result["losses"] == pytest.approx(ref_losses, rel=1e-9, abs=1e-12), f"{case} rank {rank} losses"
             for name, value in result["grads"].items():

@@ -234,9 +234,26 @@ def compile_in_place(layer: nn.Module, backend: Any, options: dict) -> None:
         from torch._dynamo.external_utils import wrap_inline
 
         function = wrap_inline(function)
+    if getattr(layer, "_lpp_checkpoint", False):
+        # Compiled after activation checkpointing is applied: the checkpoint is inside the graph
+        # (dynamo traces it as a region whose activations the partitioner recomputes in the
+        # backward), so the compiled backward recomputes fused kernels, and run_layer adds no
+        # checkpoint of its own around the compiled layer.
+        function = _checkpointed(function)
+        layer._lpp_checkpoint_compiled = True
     layer.forward = types.MethodType(_marking_dynamic_dims(optimize(function)), layer)
     layer._compiled_call_impl = None  # a user's own layer.compile() is replaced by this one
     layer._lpp_compiled = True
+
+
+def _checkpointed(function: Callable) -> Callable:
+    """``function`` (a layer's forward) under non-reentrant activation checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(function, module, *args, use_reentrant=False, **kwargs)
+
+    return forward
 
 
 def _marking_dynamic_dims(compiled: Callable) -> Callable:

@@ -19,10 +19,11 @@ CheckpointPolicy = Union[bool, Sequence[type]]
 
 def run_layer(layer: nn.Module, x: Any) -> Any:
     """Call one pipeline layer (a tuple input is unpacked). A layer marked for activation
-    checkpointing keeps only its inputs and recomputes its forward during backward (a compiled
-    layer is recomputed by its compiled forward: the checkpoint sits around it)."""
+    checkpointing keeps only its inputs and recomputes its forward during backward (a layer
+    compiled by ``compile=`` has the checkpoint inside its compiled graph: nothing is added here)."""
     args = x if isinstance(x, tuple) else (x,)
-    if getattr(layer, "_lpp_checkpoint", False) and torch.is_grad_enabled():
+    if getattr(layer, "_lpp_checkpoint", False) and not getattr(layer, "_lpp_checkpoint_compiled", False) \
+            and torch.is_grad_enabled():
         return checkpoint(layer, *args, use_reentrant=False)
     return layer(*args)
 
