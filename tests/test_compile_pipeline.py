@@ -86,8 +86,8 @@ def _run(rank, world, cases):
         settled = compile_counts()["graphs"]
         _new_sizes(executor, case, [1, 2])
         out_graphs_after_sizes = compile_counts()["graphs"] - settled
-        out.append(dict(losses=losses, grads=grads, params=params, compiled=compiled, names=set(model.state_dict()), inside=inside,
-                        graphs=after["graphs"] - before["graphs"],
+        out.append(dict(losses=losses, grads=grads, params=params, compiled=compiled, names=set(model.state_dict()),
+                        inside=inside, graphs=after["graphs"] - before["graphs"],
                         graphs_after_sizes=out_graphs_after_sizes, recompiles=after["recompiles"] - before["recompiles"],
                         guards={k: v[len(before["guards_failed"].get(k, [])):] for k, v in after["guards_failed"].items()}))
     return out

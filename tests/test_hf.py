@@ -1,5 +1,5 @@
 """Hugging Face transformers causal LMs pipelined from their own plans
-(``lightning_pp.integrations.hf``): eleven families, tied and untied embeddings, sliding-window
+(``lightning_pp.integrations.hf``): twelve families, tied and untied embeddings, sliding-window
 layers, left-padded batches, under 1F1B and interleaved 1F1B at pp=2, equal to the same HF model
 trained on one device (float64, 1e-9: losses and every parameter by its HF name); a local checkpoint
 read per rank and written back; the README.md and docs/integrations.md example. Tiny random-weight
@@ -31,6 +31,9 @@ FAMILIES = {  # name: (config class, model class, what the family adds)
                                                                  moe_intermediate_size=8, head_dim=4)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,  # a shared expert
                                                                  moe_intermediate_size=8, shared_expert_intermediate_size=16)),
+    # attention sinks, sliding windows, a router named router, transposed experts with biases and their own gate
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=4,
+                                                          sliding_window=3)),
 }
 STEPS = 3
 

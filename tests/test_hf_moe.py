@@ -1,5 +1,5 @@
 """Hugging Face mixture-of-experts models expert-parallel, their fused expert tensors sharded by
-rows under HF's names (``lightning_pp.integrations.hf_moe``): tiny Qwen3-MoE, Mixtral and Qwen2-MoE (a shared expert) at
+rows under HF's names (``lightning_pp.integrations.hf_moe``): tiny Qwen3-MoE, Mixtral, Qwen2-MoE (a shared expert) and GPT-OSS at
 pp=2 x ep=2 (4 gloo processes, dp=2: each data-parallel rank takes its half of every batch) under
 combined 1F1B (vp 1 and 2), 1F1B and DualPipeV, equal to the same HF model trained on one device (float64,
 1e-9: losses and every parameter by its HF name, a rank's expert rows against the same rows of the
@@ -26,7 +26,8 @@ from test_hf import STEPS, HFFromPretrained, HFPipe, batches, make_hf, one_devic
 
 PP, EP, WORLD = 2, 2, 4
 CASES = [("qwen3_moe", "combined_1f1b", 1), ("qwen3_moe", "combined_1f1b", 2), ("mixtral", "1f1b", 1),
-         ("mixtral", "combined_1f1b", 1), ("qwen3_moe", "dualpipev", 2), ("qwen2_moe", "combined_1f1b", 1)]
+         ("mixtral", "combined_1f1b", 1), ("qwen3_moe", "dualpipev", 2), ("qwen2_moe", "combined_1f1b", 1),
+         ("gpt_oss", "combined_1f1b", 1)]
 SEED = 5
 
 

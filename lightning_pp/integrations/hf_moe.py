@@ -15,7 +15,7 @@ compute, as for lightning_pp's own MoE layer (:mod:`lightning_pp.moe.parallel`).
 
 What the layer computes is the decoder layer's forward, from its own modules: ``input_layernorm``,
 ``self_attn`` (with the rotary embeddings and mask the base model would pass), the residual,
-``post_attention_layernorm``, the model's router (``mlp.gate``: its softmax, top-k and
+``post_attention_layernorm``, the model's router (``mlp.gate``, GPT-OSS's ``mlp.router``: its softmax, top-k and
 normalisation, e.g. ``norm_topk_prob``), each chosen expert as HF's experts module computes it
 (gate/up projection, ``_apply_gate`` or the activation, down projection, biases and transposed
 layouts as the module declares), each token's weighted expert outputs summed in ascending expert
@@ -58,6 +58,13 @@ def _stacked(experts: nn.Module, name: str) -> bool:
     return isinstance(p, nn.Parameter) and p.dim() == 3
 
 
+_ROUTER_NAMES = ("gate", "router")  # what transformers' MoE blocks call their router (GPT-OSS: router)
+
+
+def _router_name(mlp: nn.Module) -> str:
+    return next((name for name in _ROUTER_NAMES if isinstance(getattr(mlp, name, None), nn.Module)), "gate")
+
+
 def is_stacked_moe_layer(layer: nn.Module) -> bool:
     """Whether ``layer`` (an HF decoder layer) is a pre-norm attention + mixture-of-experts layer
     whose experts are fused in one module, which :class:`HFMoEDecoderLayer` drives."""
@@ -65,9 +72,10 @@ def is_stacked_moe_layer(layer: nn.Module) -> bool:
     mlp = getattr(layer, "mlp", None)
     if children != _LAYER_PARTS or mlp is None:
         return False
-    if not {"gate", "experts"} <= {name for name, _ in mlp.named_children()} or list(mlp.parameters(recurse=False)):
+    router = _router_name(mlp)
+    if not {router, "experts"} <= {name for name, _ in mlp.named_children()} or list(mlp.parameters(recurse=False)):
         return False
-    experts, gate = mlp.experts, mlp.gate
+    experts, gate = mlp.experts, getattr(mlp, router)
     up = "gate_up_proj" if getattr(experts, "has_gate", True) else "up_proj"
     return (isinstance(getattr(experts, "num_experts", None), int) and isinstance(getattr(gate, "top_k", None), int)
             and _stacked(experts, up) and _stacked(experts, "down_proj"))
@@ -92,14 +100,15 @@ class HFMoEDecoderLayer(ExpertParallelMoE):
     stacked_experts = True
 
     def __init__(self, parts: Any, layer: nn.Module, index: int) -> None:
-        experts, gate = layer.mlp.experts, layer.mlp.gate
+        self.router_name = _router_name(layer.mlp)
+        experts, gate = layer.mlp.experts, getattr(layer.mlp, self.router_name)
         super().__init__(experts.num_experts, gate.top_k)
         self.__dict__["parts"] = parts  # not a child: it refers to every module of the model
         self.layer = layer
         self.index = index
         self.layer_type = parts.layer_type[index]
         # What the MoE block adds besides its routed experts (Qwen2-MoE's gated shared expert).
-        self.dense_parts = [child for name, child in layer.mlp.named_children() if name not in ("gate", "experts")]
+        self.dense_parts = [child for name, child in layer.mlp.named_children() if name not in (self.router_name, "experts")]
         field = next((f for f in _EXPERT_COUNT_FIELDS if getattr(parts.config, f, None) == experts.num_experts), None)
         self.num_experts_field = f"config.{field}" if field else f"{type(experts).__name__}.num_experts"
 
@@ -113,7 +122,8 @@ class HFMoEDecoderLayer(ExpertParallelMoE):
         """What ``compile=`` compiles (the modules ``moe_pre`` calls; the experts are indexed rows of
         the fused tensors, computed eagerly, and the all-to-alls stay outside)."""
         layer = self.layer
-        return [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp.gate, *self.dense_parts]
+        return [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
+                getattr(layer.mlp, self.router_name), *self.dense_parts]
 
     def moe_pre(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> MoERouting:
         """The decoder layer up to its MLP, then the MoE block's routing."""
@@ -127,7 +137,7 @@ class HFMoEDecoderLayer(ExpertParallelMoE):
         if mlp.training and jitter > 0:
             normed = normed * torch.empty_like(normed).uniform_(1.0 - jitter, 1.0 + jitter)
         tokens = normed.reshape(-1, normed.shape[-1])
-        routing = mlp.gate(tokens)
+        routing = getattr(mlp, self.router_name)(tokens)
         _, probs, indices = routing
         carry = (hidden, attention_mask, position_ids)
         if self.dense_parts:
@@ -139,12 +149,14 @@ class HFMoEDecoderLayer(ExpertParallelMoE):
         already made: what the block adds to the routed experts' sum (a shared expert's gated
         output), computed as the block computes it."""
         mlp = self.layer.mlp
-        experts, gate = mlp._modules["experts"], mlp._modules["gate"]
-        mlp._modules["experts"], mlp._modules["gate"] = _Given(), _Given(routing)
+        name = self.router_name
+        experts, gate = mlp._modules["experts"], mlp._modules[name]
+        mlp._modules["experts"], mlp._modules[name] = _Given(), _Given(routing)
         try:
-            return mlp(normed)
+            out = mlp(normed)
         finally:
-            mlp._modules["experts"], mlp._modules["gate"] = experts, gate
+            mlp._modules["experts"], mlp._modules[name] = experts, gate
+        return out[0] if isinstance(out, tuple) else out  # (GPT-OSS's block also returns its scores)
 
     def expert_forward(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` as HF's experts module computes it, from this rank's rows of the fused tensors."""
