@@ -47,3 +47,25 @@ def token_batches(seed, batch, seq, steps, vocab=13):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
             for _ in range(steps)]
+
+
+
+def count_overlaps():
+    """Record, for every layer pair combined 1F1B runs together in its steady state (one MoE
+    layer's forward with another's backward), whether both communicate. Returns the list it fills
+    and the function that stops the recording."""
+    from lightning_pp.runtime.plans import nodes
+
+    overlapped: list = []
+    plain = nodes._overlapped_layer
+
+    def counting(f, b, x, g):
+        overlapped.append(f.communicates and b.communicates)
+        return plain(f, b, x, g)
+
+    nodes._overlapped_layer = counting
+
+    def stop() -> None:
+        nodes._overlapped_layer = plain
+
+    return overlapped, stop

@@ -86,16 +86,9 @@ def _load(pipe, opt, path):
 def _train_cases(rank, world, dst):
     from lightning_pp.integrations import hf
     from lightning_pp.integrations.hf_moe import HFMoEDecoderLayer
-    from lightning_pp.runtime.plans import nodes
+    from moe_models import count_overlaps
 
-    overlapped = []
-    plain_overlap = nodes._overlapped_layer
-
-    def counting(f, b, x, g):  # the steady state of combined 1F1B: one MoE layer's F with another's B
-        overlapped.append(f.communicates and b.communicates)
-        return plain_overlap(f, b, x, g)
-
-    nodes._overlapped_layer = counting
+    overlapped, stop_counting = count_overlaps()  # one MoE layer's F with another's B
     out = []
     for i, (family, schedule, vp) in enumerate(CASES):
         pipe, executor, opt = _build(family, schedule, vp)
@@ -116,7 +109,7 @@ def _train_cases(rank, world, dst):
                                      for n, (s, p) in _params(pipe, executor).items())
         out.append(result)
         executor.close()
-    nodes._overlapped_layer = plain_overlap
+    stop_counting()
     return out
 
 

@@ -118,16 +118,9 @@ def _reference(holder: Holder, batches):
 def _pipelined(rank, world, cases):
     from lightning_pp.integrations.litgpt_moe import MoEBlockLayer
     from lightning_pp.runtime import build_pipeline
-    from lightning_pp.runtime.plans import nodes
+    from moe_models import count_overlaps
 
-    overlapped = []
-    plain_overlap = nodes._overlapped_layer
-
-    def counting(f, b, x, g):  # the steady state of combined 1F1B: one MoE layer's F with another's B
-        overlapped.append(f.communicates and b.communicates)
-        return plain_overlap(f, b, x, g)
-
-    nodes._overlapped_layer = counting
+    overlapped, stop_counting = count_overlaps()  # one MoE layer's F with another's B
     out = []
     for case in cases:
         holder = _make(case["name"])
@@ -156,7 +149,7 @@ def _pipelined(rank, world, cases):
                         overlapped=sum(overlapped), moe_layers=len(moe_layers), a2a_waits=a2a_waits,
                         dp_rank=topo.dp_rank, ep_rank=topo.ep_rank))
         executor.close()
-    nodes._overlapped_layer = plain_overlap
+    stop_counting()
     return out
 
 
