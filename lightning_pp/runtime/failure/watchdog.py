@@ -98,6 +98,10 @@ class Watchdog:
         self._executors: "weakref.WeakSet" = weakref.WeakSet()
         self._active: Optional[weakref.ref] = None
         self._stop = threading.Event()
+        # Published before the thread's first beat: rank 0 leaving at exit waits for every rank that
+        # has a position, and a rank without one yet (its first beat is position_interval away, longer
+        # than a toy step) would be taken for one that never joined: the store gone under it.
+        self._publish("idle")
         self._thread = threading.Thread(target=self._run, name="lightning_pp-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self._at_exit)
@@ -142,11 +146,11 @@ class Watchdog:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
-        self._publish_left()
+        self._publish("left")
 
-    def _publish_left(self) -> None:
+    def _publish(self, state: str) -> None:
         now = time.time()
-        self.board.publish(self.rank, {"where": f"rank {self.rank}", "state": "left", "beat": now, "since": now,
+        self.board.publish(self.rank, {"where": f"rank {self.rank}", "state": state, "beat": now, "since": now,
                                        "step": -1, "peer": None, "what": None})
 
     def _at_exit(self) -> None:
@@ -248,7 +252,7 @@ class Watchdog:
             )
             sys.stderr.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            self._publish_left()  # the store's host need not wait for this rank's heartbeat to stop
+            self._publish("left")  # the store's host need not wait for this rank's heartbeat to stop
         finally:
             os._exit(WATCHDOG_EXIT_CODE)
 
