@@ -43,7 +43,7 @@ def two_launches():
     with pytest.MonkeyPatch.context() as patch:
         for hash_seed in ("1", "2"):  # set/dict iteration order of strings differs between them
             patch.setenv("PYTHONHASHSEED", hash_seed)
-            runs.append(run_distributed(_train_every_schedule, 2, timeout=150))
+            runs.append(run_distributed(_train_every_schedule, 2, timeout=150, start_method="spawn"))
     return runs
 
 

@@ -94,7 +94,7 @@ def _logged_metrics(log_dir: str) -> set:
 
 @pytest.mark.timeout(200)
 def test_monitor_without_matplotlib_warns_once_and_keeps_training(tmp_path):
-    per_rank = run_distributed(_fit_with_monitor, 2, str(tmp_path), "no_matplotlib", timeout=180)
+    per_rank = run_distributed(_fit_with_monitor, 2, str(tmp_path), "no_matplotlib", timeout=180, start_method="spawn")
     zero = per_rank[0]
     for rank, result in enumerate(per_rank):
         assert result["global_step"] == STEPS, f"rank {rank} stopped at step {result['global_step']}"
