@@ -9,7 +9,7 @@ import socket
 import statistics
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
 def free_port() -> int:
@@ -38,16 +38,26 @@ def _worker(fn, rank, world, port, args, queue):
                 pass
 
 
-def launch(fn: Callable, world: int, *args: Any, timeout: float = 600.0) -> list:
+def launch(fn: Callable, world: int, *args: Any, timeout: float = 600.0, env: Optional[dict] = None) -> list:
     """``fn(rank, world, *args)`` on ``world`` spawned gloo processes (one thread each); the
     results by rank. A rank's error (or a rank that died, or the deadline) ends every process at
-    once and raises with each rank's message."""
+    once and raises with each rank's message. ``env``: variables the processes start with (read
+    by libraries at process start, as glibc's ``MALLOC_*``), this launch only."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    saved = {name: os.environ.get(name) for name in (env or {})}
+    os.environ.update(env or {})
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     deadline = time.monotonic() + timeout
     results: dict = {}
     errors: dict = {}

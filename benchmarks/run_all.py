@@ -109,9 +109,12 @@ def main(argv=None) -> dict:
             {name: name for name in ("zb_compiled_backward_ratio", "zb_torch_compiled_backward_ratio",
                                      "zb_eager_backward_ratio")})
     section("compile= through the pipeline: the main job, vs torch's compiled stages, recompiles", "bench_compile_pipeline",
-            argparse.Namespace(warmup=2, rounds=4 if q else 8, block=3, hidden=512, batch=64),
+            argparse.Namespace(warmup=2, rounds=8 if q else 16, block=3, hidden=512, batch=64, heap_kept=True),
             {name: name for name in ("compile_step_ratio", "compile_first_step_s", "ratio_vs_torch_compiled_1f1b",
-                                     "recompiles_after_warmup")})
+                                     "recompiles_after_warmup", "compile_step_ratio_heap_kept",
+                                     "ratio_vs_torch_compiled_1f1b_heap_kept", "mlp_compile_step_ratio_ours",
+                                     "mlp_compile_step_ratio_torch", "mlp_compile_step_ratio_ours_heap_kept",
+                                     "mlp_compile_step_ratio_torch_heap_kept")})
     section("Timeline recording and monitor overhead", "bench_monitor_overhead", {"wait_quiet": 0.0},
             {"monitor_overhead": "monitor_overhead", "timeline_overhead": "timeline_overhead"})
     section("Exactness guards: batch check, batch broadcast, random streams", "bench_exactness_overhead",
