@@ -74,6 +74,12 @@ def _paired(per_round: dict, a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(per_round[a], per_round[b]))
 
 
+def _paired_quartiles(per_round: dict, a: str, b: str) -> tuple:
+    """The first and third quartiles of the per-round ratios: how far one run's rounds spread."""
+    q = statistics.quantiles([x / y for x, y in zip(per_round[a], per_round[b])], n=4)
+    return q[0], q[2]
+
+
 def _trainer_step(executor, model, batch):
     import torch
 
@@ -109,7 +115,9 @@ def _main_job(rank, world, args):
     for _ in range(args.warmup):
         steps["eager"](), steps["compiled"]()
     medians, rounds = _alternate(steps, args.rounds, args.block)
+    q1, q3 = _paired_quartiles(rounds, "compiled", "eager")
     return {"compile_step_ratio": _paired(rounds, "compiled", "eager"), "compile_first_step_s": first,
+            "compile_step_ratio_q1": q1, "compile_step_ratio_q3": q3,
             "eager_step_ms": 1e3 * medians["eager"], "compiled_step_ms": 1e3 * medians["compiled"]}
 
 
@@ -141,7 +149,9 @@ def _vs_torch(rank, world, args):
         for step in steps.values():
             step()
     m, rounds = _alternate(steps, args.rounds, args.block)
+    q1, q3 = _paired_quartiles(rounds, "ours_compiled", "torch_compiled")
     return {"ratio_vs_torch_compiled_1f1b": _paired(rounds, "ours_compiled", "torch_compiled"),
+            "ratio_vs_torch_compiled_1f1b_q1": q1, "ratio_vs_torch_compiled_1f1b_q3": q3,
             "ratio_vs_torch_eager_1f1b": _paired(rounds, "ours_eager", "torch_eager"),
             "mlp_compile_step_ratio_ours": _paired(rounds, "ours_compiled", "ours_eager"),
             "mlp_compile_step_ratio_torch": _paired(rounds, "torch_compiled", "torch_eager"),
