@@ -9,6 +9,11 @@
    the other microbatch's compute nodes run on the compute stream. The fused step
    (``ChunkSchedulePlan.run(f, b)``) against the two run one after the other: the fraction of the
    emulated communication hidden behind compute (1 = all of it).
+3. ``gpu_compile_step_ratio``: the main job's model (``examples/train_moe_gpt.py``'s defaults,
+   16 sequences of 64 bytes) on the one device, forward and backward, with every pipeline layer
+   compiled as ``compile=True`` compiles it (an MoE block by its parts) over eager: the figure that
+   does not pay on a 2-core CPU (BENCHMARKS.md, issue 23), measured where each eager kernel is a
+   launch. ``gpu_compile_first_step_s``: the first compiled step, compilation included.
 
 Medians of ``--steps`` CUDA-event-timed repetitions after a warm-up. Prints ``name: value`` lines.
 Not run yet on a GPU in this project (no device has been lent so far): the first GPU session runs
@@ -23,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -147,6 +153,40 @@ def comm_overlap(args) -> float:
     return max(0.0, min(1.0, (t_seq - t_fused) / t_comm)) if t_comm > 0 else 0.0
 
 
+def compile_step(args) -> dict:
+    import copy
+    import importlib.util
+
+    from lightning_pp.runtime.compiled import compile_layer, compile_targets
+
+    spec = importlib.util.spec_from_file_location("train_moe_gpt", ROOT / "examples" / "train_moe_gpt.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    torch.manual_seed(0)
+    eager = job.MoEGPT().to(DEVICE)
+    compiled = copy.deepcopy(eager)
+    for layer in compiled.pipeline_layers():
+        for part in compile_targets(layer):  # as compile=True does: an MoE block by its parts
+            compile_layer(part, "aot_eager" if DEVICE == "cpu" else "inductor", split=False)
+    tokens = torch.randint(0, 256, (16, 65), device=DEVICE)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+
+    def step(model):
+        def run():
+            model.zero_grad(set_to_none=True)
+            model.pipeline_loss(model(batch[0]), batch).backward()
+
+        return run
+
+    begin = time.perf_counter()
+    step(compiled)()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    first = time.perf_counter() - begin
+    ratios = [_timed(step(compiled), args.steps) / _timed(step(eager), args.steps) for _ in range(3)]
+    return {"gpu_compile_step_ratio": statistics.median(ratios), "gpu_compile_first_step_s": first}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
@@ -163,12 +203,15 @@ def main(argv=None) -> dict:
         print("bench_gpu: no CUDA device, nothing measured")
         return {}
     figures = {}
-    for name, fn in (("plan_overhead", plan_overhead), ("comm_overlap", comm_overlap)):
+    for name, fn in (("plan_overhead", plan_overhead), ("comm_overlap", comm_overlap), ("gpu_compile_step_ratio", compile_step)):
         try:
-            figures[name] = fn(args)
-            print(f"{name}: {figures[name]:.4f}", flush=True)
-        except Exception as exc:  # report and go on: the other figure may still be measurable
+            value = fn(args)
+        except Exception as exc:  # report and go on: the other figures may still be measurable
             print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            continue
+        for key, number in (value.items() if isinstance(value, dict) else [(name, value)]):
+            figures[key] = number
+            print(f"{key}: {number:.4f}", flush=True)
     return figures
 
 

@@ -272,6 +272,7 @@ def test_gpu_benchmark_code_paths_run_on_the_cpu():
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_gpu.py"), "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "plan_overhead:" in proc.stdout and "comm_overlap:" in proc.stdout, proc.stdout + proc.stderr
+    assert "gpu_compile_step_ratio:" in proc.stdout and "FAILED" not in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_torch_comparison_benchmark_code_paths_run():
