@@ -1,6 +1,6 @@
 """Reproduce every table of BENCHMARKS.md and print one ``name: value`` line per figure.
 
-    python benchmarks/run_all.py --quick     # every figure, fewer steps: under 10 minutes on 2 cores
+    python benchmarks/run_all.py --quick     # every figure, fewer steps: about 13 minutes on 2 cores
     python benchmarks/run_all.py             # the full runs
 
 Runs each benchmark in turn (each spawns its own gloo processes), prints its table, then the
