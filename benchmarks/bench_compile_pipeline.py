@@ -17,7 +17,7 @@
   block above a threshold (128 KiB, raised as such blocks are freed) with fresh pages from the OS
   and returns the heap's free top at each free: a compiled graph, which allocates its buffers at
   every call, pays those page faults again and again (measured on one 512-wide MLP block, fw + bw:
-  compiled 1.25-1.45x eager by default, 1.00-1.10x with the heap kept).
+  compiled 1.04-1.45x eager by default, 1.00-1.12x with the heap kept).
 * ``recompiles_after_warmup``: 50 steps of a token model (embedding, residual blocks, head) at
   pp=2 under ``zb1p`` with sequence lengths drawn from 16-64 every step and a short last batch
   (10 of 16 sequences, 4 microbatches: 3, 3, 2, 2), counted by the executor's ``compile_watch``
