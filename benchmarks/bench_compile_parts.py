@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
 
 def _timed(calls: dict, repeats: int, per: int) -> dict:
@@ -78,7 +79,6 @@ def moe_block(args) -> dict:
 def mlp_block(args) -> dict:
     import torch
 
-    sys.path.insert(0, str(HERE))
     import bench_vs_torch as vs
     from lightning_pp.runtime.compiled import compile_layer
 
@@ -131,7 +131,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
         print(json.dumps((moe_block if args.part == "moe" else mlp_block)(args)))
         return 0
-    sys.path.insert(0, str(HERE))
     for name, value in run(args).items():
         print(f"{name}: {value:.4g}")
     return 0

@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAP_KEPT = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
-def _job_model():
+def main_job_model():
+    """The main job's model class (``examples/train_moe_gpt.py``'s ``MoEGPT``)."""
     spec = importlib.util.spec_from_file_location("train_moe_gpt", ROOT / "examples" / "train_moe_gpt.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
@@ -101,7 +102,7 @@ def _main_job(rank, world, args):
     torch.set_num_threads(1)
     topology = build_topology(2, 2)
     torch.manual_seed(0)
-    eager = _job_model()()
+    eager = main_job_model()()
     compiled = copy.deepcopy(eager)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (16, 65), generator=g)

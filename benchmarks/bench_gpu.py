@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_compile_pipeline's main-job model
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -155,15 +155,12 @@ def comm_overlap(args) -> float:
 
 def compile_step(args) -> dict:
     import copy
-    import importlib.util
 
+    from bench_compile_pipeline import main_job_model
     from lightning_pp.runtime.compiled import compile_layer, compile_targets
 
-    spec = importlib.util.spec_from_file_location("train_moe_gpt", ROOT / "examples" / "train_moe_gpt.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
     torch.manual_seed(0)
-    eager = job.MoEGPT().to(DEVICE)
+    eager = main_job_model()().to(DEVICE)
     compiled = copy.deepcopy(eager)
     for layer in compiled.pipeline_layers():
         for part in compile_targets(layer):  # as compile=True does: an MoE block by its parts
