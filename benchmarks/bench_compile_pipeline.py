@@ -23,7 +23,7 @@
   (10 of 16 sequences, 4 microbatches: 3, 3, 2, 2), counted by the executor's ``compile_watch``
   after its two warm-up steps. The stated bound is 0 here (no microbatch of one sample).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_compile_pipeline.py [--steps 12]
+    OMP_NUM_THREADS=1 python benchmarks/bench_compile_pipeline.py [--rounds 12] [--no-heap-kept]
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@
    launch. ``gpu_compile_first_step_s``: the first compiled step, compilation included.
 
 Medians of ``--steps`` CUDA-event-timed repetitions after a warm-up. Prints ``name: value`` lines.
-Not run yet on a GPU in this project (no device has been lent so far): the first GPU session runs
-it through ``scripts/gpu_check.sh``.
+Not measured yet (no CUDA device has been available to this project); ``scripts/gpu_check.sh`` runs
+it on the first machine with one.
 """
 
 from __future__ import annotations

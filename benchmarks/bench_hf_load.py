@@ -16,7 +16,7 @@ rank, after ``import torch`` and the process group, the kernel's peak-RSS counte
 Each in fresh processes. The figure is the peak RSS the path added over the rank's share (bytes of
 the parameters it holds after the cut), and what stays added at the end.
 
-    python benchmarks/bench_hf_load.py              # 8 ranks, 16 layers of 1024: 1.1 GB of weights
+    python benchmarks/bench_hf_load.py              # 8 ranks, 16 layers of 1024: 752 MB of weights
     python benchmarks/bench_hf_load.py --quick
 """
 
