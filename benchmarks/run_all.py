@@ -1,4 +1,5 @@
-"""Reproduce every table of BENCHMARKS.md and print one ``name: value`` line per figure.
+"""Run the benchmarks in turn and print one ``name: value`` line per figure of BENCHMARKS.md's table
+(benchmarks/README.md: the contract, and the benchmarks this does not run, with why).
 
     python benchmarks/run_all.py --quick     # every figure, fewer steps: about 13 minutes on 2 cores
     python benchmarks/run_all.py             # the full runs
