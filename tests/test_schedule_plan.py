@@ -262,7 +262,7 @@ def test_make_viewless_and_virtual_stage_predicates():
 
 
 def test_gpu_benchmark_code_paths_run_on_the_cpu():
-    """scripts/gpu_check.sh runs benchmarks/bench_gpu.py on the first GPU lent: keep its code paths
+    """scripts/gpu_check.sh runs benchmarks/bench_gpu.py on the first machine with a GPU: keep its code paths
     working where CI can run them (--dry-run: the CPU, tiny sizes)."""
     import subprocess
     import sys
