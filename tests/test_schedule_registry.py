@@ -123,3 +123,37 @@ def test_a_registered_schedule_trains_in_the_runtime_and_under_the_trainer_as_on
             torch.testing.assert_close(value, ref_params[name], rtol=1e-9, atol=1e-12, msg=name)
         for name, value in trained.items():
             torch.testing.assert_close(value, trainer_ref[name].to(value.dtype), rtol=1e-9, atol=1e-12, msg=name)
+
+
+_AFTER_LIGHTNING = r"""
+import lightning as L
+import lightning_pp
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning_pp.schedules import ScheduleSpec, backward, forward, register_schedule, unregister_schedule
+
+def late(cfg, rank):
+    order = [(mb, c) for c in range(cfg.vp) for mb in range(cfg.num_microbatches)]
+    return [forward(*f) for f in order] + [backward(*f) for f in reversed(order)]
+
+register_schedule(ScheduleSpec("late_gpipe", late, description="registered after import lightning"))
+trainer = L.Trainer(strategy="pp_late_gpipe", accelerator="cpu", devices=1, logger=False)
+assert type(trainer.strategy).__name__ == "PipelineStrategy", trainer.strategy
+assert trainer.strategy.config.schedule == "late_gpipe", trainer.strategy.config
+fabric = L.Fabric(strategy="pp_late_gpipe", accelerator="cpu", devices=1)
+assert type(fabric.strategy).__name__ == "FabricPipelineStrategy", fabric.strategy
+unregister_schedule("late_gpipe")
+assert "pp_late_gpipe" not in StrategyRegistry and "pp_late_gpipe" not in STRATEGY_REGISTRY
+print("ok")
+"""
+
+
+def test_a_schedule_registered_after_lightning_is_imported_is_a_strategy_name():
+    """``pp_<name>`` for the Trainer and Fabric whether the schedule was registered before or after
+    Lightning was imported (a fresh interpreter: this test process imported Lightning long ago)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _AFTER_LIGHTNING], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

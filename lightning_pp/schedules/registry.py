@@ -99,6 +99,17 @@ class ScheduleSpec:
 
 
 _REGISTRY: dict[str, ScheduleSpec] = {}
+#: Called as ``listener(name, spec)`` after every registration and as ``listener(name, None)`` after
+#: every removal: how the strategies keep ``pp_<name>`` in step with the registry, whether Lightning
+#: was imported before or after a schedule was registered (this module imports nothing above it).
+_LISTENERS: list[Callable[[str, Optional["ScheduleSpec"]], None]] = []
+
+
+def watch_registry(listener: Callable[[str, Optional["ScheduleSpec"]], None]) -> None:
+    """Call ``listener(name, spec)`` after each :func:`register_schedule` and ``listener(name, None)``
+    after each :func:`unregister_schedule` (once per listener, however often it is passed)."""
+    if listener not in _LISTENERS:
+        _LISTENERS.append(listener)
 
 
 def register_schedule(spec: ScheduleSpec, replace: bool = False) -> ScheduleSpec:
@@ -108,12 +119,16 @@ def register_schedule(spec: ScheduleSpec, replace: bool = False) -> ScheduleSpec
     if spec.name in _REGISTRY and not replace:
         raise ValueError(f"schedule {spec.name!r} is already registered: pick another name, or pass replace=True.")
     _REGISTRY[spec.name] = spec
+    for listener in _LISTENERS:
+        listener(spec.name, spec)
     return spec
 
 
 def unregister_schedule(name: str) -> None:
     """Remove a schedule registered with :func:`register_schedule`."""
-    _REGISTRY.pop(name, None)
+    if _REGISTRY.pop(name, None) is not None:
+        for listener in _LISTENERS:
+            listener(name, None)
 
 
 def schedule_spec(name: str) -> ScheduleSpec:

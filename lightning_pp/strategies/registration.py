@@ -14,17 +14,22 @@ import importlib.machinery
 import sys
 from typing import Any
 
+def strategy_params(schedule: str) -> dict[str, Any]:
+    """The constructor arguments of ``pp_<schedule>``: the schedule and its default chunks per rank."""
+    from lightning_pp.schedules import schedule_spec
+
+    vp = schedule_spec(schedule).default_vp
+    return dict(schedule=schedule, **({"virtual_pipeline_size": vp} if vp != 1 else {}))
+
+
 def registered() -> dict[str, dict[str, Any]]:
     """Strategy name -> constructor arguments: ``pp_<schedule>`` for every schedule of the registry
     (:mod:`lightning_pp.schedules.registry`), with its default chunks per rank. Every name is
-    registered for the Trainer and for Fabric."""
-    from lightning_pp.schedules import schedule_names, schedule_spec
+    registered for the Trainer and for Fabric, including schedules registered later (before or
+    after Lightning is imported)."""
+    from lightning_pp.schedules import schedule_names
 
-    names = {}
-    for name in schedule_names():
-        vp = schedule_spec(name).default_vp
-        names[f"pp_{name}"] = dict(schedule=name, **({"virtual_pipeline_size": vp} if vp != 1 else {}))
-    return names
+    return {f"pp_{name}": strategy_params(name) for name in schedule_names()}
 
 
 def _trainer_strategy(**kwargs: Any):
@@ -45,15 +50,37 @@ _TARGETS = {
 }
 
 
+def _register_one(registry: Any, factory: Any, name: str, params: dict[str, Any]) -> None:
+    if name not in registry:
+        registry.register(name, factory, description=f"lightning_pp pipeline parallelism ({params['schedule']})", **params)
+
+
 def register_into(registry: Any, factory: Any) -> None:
     for name, params in registered().items():
-        if name not in registry:
-            registry.register(name, factory, description=f"lightning_pp pipeline parallelism ({params['schedule']})", **params)
+        _register_one(registry, factory, name, params)
 
 
 def _register_module(module_name: str) -> None:
     attr, factory = _TARGETS[module_name]
     register_into(getattr(sys.modules[module_name], attr), factory)
+
+
+def _on_schedule_change(schedule: str, spec: Any) -> None:
+    """A schedule registered (or removed) after ``import lightning_pp``: its ``pp_<name>`` into (or
+    out of) the Lightning registries already imported; those imported later read the registry whole."""
+    for module_name, (attr, factory) in _TARGETS.items():
+        module = sys.modules.get(module_name)
+        registry = getattr(module, attr, None) if module is not None else None
+        if registry is None:
+            continue
+        name = f"pp_{schedule}"
+        if spec is None:
+            if name in registry:
+                registry.remove(name)
+        else:
+            if name in registry:  # re-registered with replace=True: its default chunk count may differ
+                registry.remove(name)
+            _register_one(registry, factory, name, strategy_params(schedule))
 
 
 class _RegisterWhenImported(importlib.abc.MetaPathFinder):
@@ -74,7 +101,11 @@ class _RegisterWhenImported(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Register now where Lightning is loaded, and on import where it is not."""
+    """Register now where Lightning is loaded, and on import where it is not; follow the schedule
+    registry from then on."""
+    from lightning_pp.schedules.registry import watch_registry
+
+    watch_registry(_on_schedule_change)
     pending = False
     for module_name in _TARGETS:
         if module_name in sys.modules:
