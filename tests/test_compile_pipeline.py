@@ -12,7 +12,7 @@ import torch
 from distributed import run_distributed
 from models import Block, pipelined_run, reference_run
 from moe_models import TinyMoELM, token_batches
-from test_runtime_equivalence import make_batches, make_model
+from equivalence import make_batches, make_model
 
 EAGER_KERNELS = {"backend": "aot_eager"}  # torch's eager kernels in the compiled graphs: their order of operations
 CASES = [
@@ -47,7 +47,7 @@ def _model(case):
 
 def _new_sizes(executor, case, which):
     """Train steps (gradients discarded) with batch sizes and sequence lengths not seen before."""
-    from test_runtime_equivalence import regression_batches, token_batches as lm_batches
+    from equivalence import regression_batches, token_batches as lm_batches
 
     m, topo = case["m"], executor.topology
     for k in which:

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from distributed import run_distributed
-from test_sharding_trainer import BATCH, TRAINER, OneDeviceOrder, TiedLM, gathered, tokens
+from lightning_models import BATCH, TRAINER, OneDeviceOrder, TiedLM, gathered, tokens
 
 EAGER_KERNELS = {"backend": "aot_eager"}  # torch's eager kernels: the one-device order of operations
 SAMPLES = 30  # batches of 4: the last one has 2

@@ -5,62 +5,17 @@ on one device; a parameter whose expert placement cannot be told is an error at 
 from __future__ import annotations
 
 import os
-import pathlib
-import re
 
 import lightning as L
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from distributed import DistributedFailure, run_distributed
+from moe_models import UserMoE, user_moe_dataset
 
-MOE_DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "moe.md"
 TRAINER = dict(accelerator="cpu", max_steps=3, precision="64-true", logger=False, enable_checkpointing=False,
                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-HIDDEN, VOCAB, EXPERTS = 8, 13, 4
-
-
-def readme_moe_block():
-    """The custom MoE layer of docs/moe.md, run as printed."""
-    blocks = re.findall(r"```python\n(.*?)```", MOE_DOC.read_text(), re.S)
-    (code,) = [b for b in blocks if "class MyMoEBlock(ExpertParallelMoE)" in b]
-    namespace: dict = {}
-    exec(compile(code, str(MOE_DOC), "exec"), namespace)
-    return namespace["MyMoEBlock"]
-
-
-class UserMoE(L.LightningModule):
-    """Embedding, four of the blocks of docs/moe.md, a head; the user's single-device training_step."""
-
-    def __init__(self):
-        super().__init__()
-        block = readme_moe_block()
-        torch.manual_seed(7)
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(block(HIDDEN, 12, num_experts=EXPERTS, top_k=2) for _ in range(4))
-        self.head = nn.Linear(HIDDEN, VOCAB)
-
-    def pipeline_layers(self):
-        return [self.embed, *self.blocks, self.head]
-
-    def pipeline_loss(self, logits, batch):
-        return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
-
-    def training_step(self, batch, batch_idx):
-        x = batch[0]
-        for layer in self.pipeline_layers():
-            x = layer(x)
-        return self.pipeline_loss(x, batch)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
-def _dataset(n=48, seq=5):
-    g = torch.Generator().manual_seed(3)
-    return TensorDataset(torch.randint(0, VOCAB, (n, seq), generator=g), torch.randint(0, VOCAB, (n, seq), generator=g))
 
 
 def _fit(rank, world):
@@ -71,13 +26,13 @@ def _fit(rank, world):
     strategy = PipelineStrategy(pipeline_parallel_size=2, expert_parallel_size=2, virtual_pipeline_size=2,
                                 schedule="combined_1f1b", num_microbatches=4)
     # Lightning's defaults: the distributed sampler shards the user's loader over the two replicas.
-    L.Trainer(devices=world, strategy=strategy, **TRAINER).fit(model, DataLoader(_dataset(), batch_size=8))
+    L.Trainer(devices=world, strategy=strategy, **TRAINER).fit(model, DataLoader(user_moe_dataset(), batch_size=8))
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 @pytest.mark.timeout(300)
 def test_readme_moe_layer_pp2_ep2_equals_one_device():
-    dataset = _dataset()
+    dataset = user_moe_dataset()
     shards = [list(DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
     order = [i for k in range(0, len(shards[0]), 8) for shard in shards for i in shard[k:k + 8]]
     ref = UserMoE()

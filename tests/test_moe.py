@@ -7,33 +7,8 @@ import pytest
 import torch
 
 from distributed import DistributedFailure, run_distributed
-from models import pipelined_run, reference_run
-from moe_models import TinyMoELM, token_batches
-
-STEPS = 3
-
-
-def _model(aux=0.0, z=0.0, capacity=None):
-    torch.manual_seed(11)
-    return TinyMoELM(aux=aux, z=z, capacity_factor=capacity).double()
-
-
-def _run(rank, world, cases):
-    from lightning_pp.runtime import build_pipeline
-
-    out = []
-    for case in cases:
-        model = _model(case.get("aux", 0.0), case.get("z", 0.0), case.get("capacity"))
-        executor = build_pipeline(model, pipeline_parallel_size=case["pp"], virtual_pipeline_size=case["vp"],
-                                  num_microbatches=case["m"], schedule=case["schedule"], expert_parallel_size=case["ep"])
-        losses, grads, params = pipelined_run(executor, model, token_batches(5, case["batch"], 6, STEPS))
-        pools = [b.pool.stats for b in model.blocks if hasattr(b, "pool") and b.pool is not None]
-        stats = dict(after_warmup=sum(s.allocations_after_warmup for s in pools),
-                     allocations=sum(s.allocations for s in pools), staged=sum(s.staged_bytes for s in pools),
-                     zero_copy=sum(s.zero_copy_bytes for s in pools),
-                     a2a_waits=sum(1 for sp in executor.timeline.spans if sp.kind == "a2a_wait"))
-        out.append((losses, grads, params, stats))
-    return out
+from models import reference_run
+from moe_models import MOE_STEPS, TinyMoELM, run_moe_cases, tiny_moe, token_batches
 
 
 def _pairs(pp, ep, vp, batch):
@@ -47,7 +22,7 @@ def _pairs(pp, ep, vp, batch):
 def _check(cases, per_rank):
     for i in range(0, len(cases), 4):
         plain, combined, plain_aux, combined_aux = (i, i + 1, i + 2, i + 3)
-        ref_losses, ref_grads, ref_params = reference_run(_model(), token_batches(5, cases[i]["batch"], 6, STEPS))
+        ref_losses, ref_grads, ref_params = reference_run(tiny_moe(), token_batches(5, cases[i]["batch"], 6, MOE_STEPS))
         seen = set()
         for rank, results in enumerate(per_rank):
             for a, b in ((plain, combined), (plain_aux, combined_aux)):
@@ -70,19 +45,19 @@ def _check(cases, per_rank):
 @pytest.mark.timeout(240)
 def test_expert_parallel_pp1_ep2_combined_equals_1f1b_and_reference():
     cases = _pairs(pp=1, ep=2, vp=1, batch=8) + _pairs(pp=1, ep=2, vp=2, batch=8)
-    _check(cases, run_distributed(_run, 2, cases, timeout=200))
+    _check(cases, run_distributed(run_moe_cases, 2, cases, timeout=200))
 
 
 @pytest.mark.timeout(300)
 def test_expert_parallel_pp2_ep2_combined_equals_1f1b_and_reference():
     cases = _pairs(pp=2, ep=2, vp=1, batch=8) + _pairs(pp=2, ep=2, vp=2, batch=8)
-    _check(cases, run_distributed(_run, 4, cases, timeout=260))
+    _check(cases, run_distributed(run_moe_cases, 4, cases, timeout=260))
 
 
 @pytest.mark.timeout(240)
 def test_staging_buffers_do_not_grow_after_the_first_step():
     case = dict(pp=1, ep=2, vp=1, m=4, batch=8, schedule="combined_1f1b", capacity=2.0)
-    for (_, _, _, stats), in run_distributed(_run, 2, [case], timeout=200):
+    for (_, _, _, stats), in run_distributed(run_moe_cases, 2, [case], timeout=200):
         assert stats["allocations"] > 0 and stats["staged"] > 0
         # Every combine sent straight from a persistent buffer (the experts wrote into it), and
         # it moved as many bytes as the dispatch-backward staged: both are the received rows.

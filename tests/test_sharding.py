@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from models import TiedLM, ToyRegressor, make_optimizer
 from moe_models import TinyMoELM, token_batches
-from test_runtime_equivalence import regression_batches
+from equivalence import regression_batches
 
 MAX_NORM = 0.05  # small enough that every step clips
 

@@ -16,88 +16,11 @@ import sys
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import DataLoader
 
 from distributed import DistributedFailure, run_distributed
-from models import Block
-
-TRAINER = dict(accelerator="cpu", precision="64-true", logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-BATCH = 4  # per data-parallel replica at dp=2
-VOCAB, HIDDEN, SEQ = 11, 8, 5
-
-
-class TiedLM(L.LightningModule):
-    """Embedding shared with the head (on the first and last stage), four blocks; AdamW."""
-
-    def __init__(self, shard_blocks: bool = False):
-        super().__init__()
-        torch.manual_seed(5)
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block(HIDDEN) for _ in range(4))
-        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-        self.shard_blocks = shard_blocks
-
-    def configure_model(self):
-        if self.shard_blocks:  # Lightning's ModelParallelStrategy convention, over the dp dimension
-            from torch.distributed.fsdp import fully_shard
-
-            for block in self.blocks:
-                fully_shard(block, mesh=self.device_mesh["dp"])
-
-    def pipeline_layers(self):
-        return [self.embed, *self.blocks, self.head]
-
-    def pipeline_loss(self, logits, batch):
-        return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
-
-    def forward(self, x):
-        for layer in self.pipeline_layers():
-            x = layer(x)
-        return x
-
-    def training_step(self, batch, batch_idx):
-        return self.pipeline_loss(self(batch[0]), batch)
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.pipeline_loss(self(batch[0]), batch))
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
-
-
-def tokens(n=32, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g))
-
-
-class OneDeviceOrder(Sampler):
-    """One device's order for a run whose epoch ``e`` had ``replicas[e]`` data-parallel replicas of
-    ``global_batch / replicas[e]`` samples each: per step, each replica's next batch from torch's
-    DistributedSampler (seed 0, reshuffled every epoch), one after the other."""
-
-    def __init__(self, dataset, replicas: list[int], global_batch: int = 2 * BATCH):
-        self.dataset, self.replicas, self.global_batch, self.epoch = dataset, replicas, global_batch, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        replicas = self.replicas[self.epoch]
-        per = self.global_batch // replicas
-        shards = []
-        for rank in range(replicas):
-            sampler = DistributedSampler(self.dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=0)
-            sampler.set_epoch(self.epoch)
-            shards.append(list(sampler))
-        return iter([i for k in range(0, len(shards[0]), per) for shard in shards for i in shard[k:k + per]])
-
-    def __len__(self):
-        return len(self.dataset)
-
+from moe_models import UserMoE, user_moe_dataset
+from lightning_models import BATCH, TRAINER, OneDeviceOrder, TiedLM, gathered, tokens
 
 def one_device(model, epochs: int, replicas: list[int], clip=None, accumulate=1):
     dataset = tokens()
@@ -105,15 +28,6 @@ def one_device(model, epochs: int, replicas: list[int], clip=None, accumulate=1)
               accumulate_grad_batches=accumulate, **TRAINER).fit(
         model, DataLoader(dataset, batch_size=2 * BATCH, sampler=OneDeviceOrder(dataset, replicas)))
     return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def gathered(model):
-    """Every parameter this rank holds, whole, by its one-device name (a tied copy by its tie's)."""
-    from lightning_pp.runtime import executor_of
-
-    names = executor_of(model).partition.parameter_names
-    return {names[id(p)]: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for p in model.parameters()}
 
 
 def strategy(**kwargs):
@@ -244,15 +158,14 @@ def test_trainer_sharded_stages_and_resume_across_sharding_and_data_parallel_siz
 
 # -- MoE: pp=2 x ep=2 x dp=2 under combined 1F1B, and Fabric ------------------------------------
 def _moe_and_fabric(rank, world):
-    from test_custom_moe import UserMoE, _dataset
-
     import lightning_pp
 
     os.environ["LOCAL_RANK"] = str(rank)
     model = UserMoE()
     moe_strategy = lightning_pp.PipelineStrategy(pipeline_parallel_size=2, expert_parallel_size=2, virtual_pipeline_size=2,
                                                  schedule="combined_1f1b", num_microbatches=4, data_parallel_sharding="full")
-    L.Trainer(devices=world, strategy=moe_strategy, max_steps=3, **TRAINER).fit(model, DataLoader(_dataset(), batch_size=8))
+    L.Trainer(devices=world, strategy=moe_strategy, max_steps=3, **TRAINER).fit(
+        model, DataLoader(user_moe_dataset(), batch_size=8))
     moe = gathered(model)
     fabric = L.Fabric(accelerator="cpu", devices=world, precision="64-true", strategy=lightning_pp.FabricPipelineStrategy(
         pipeline_parallel_size=2, num_microbatches=2, data_parallel_sharding="full"))
@@ -270,10 +183,8 @@ def _moe_and_fabric(rank, world):
 
 @pytest.mark.timeout(300)
 def test_moe_and_fabric_sharded_equal_one_device():
-    from test_custom_moe import UserMoE, _dataset
-
     per_rank = run_distributed(_moe_and_fabric, 4, timeout=260)
-    dataset = _dataset()
+    dataset = user_moe_dataset()
     ref = UserMoE()
     L.Trainer(devices=1, max_steps=3, use_distributed_sampler=False, **TRAINER).fit(
         ref, DataLoader(dataset, batch_size=16, sampler=OneDeviceOrder(dataset, [2], global_batch=16)))

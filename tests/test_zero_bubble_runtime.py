@@ -9,7 +9,7 @@ import torch
 
 from distributed import run_distributed
 from models import Block
-from test_runtime_equivalence import _check, _pipelined
+from equivalence import check_case, run_cases
 
 from moe_models import token_batches
 
@@ -54,29 +54,29 @@ FOUR_RANKS_DP2 = [
 
 @pytest.mark.timeout(240)
 def test_zero_bubble_two_ranks_match_one_device():
-    per_rank = run_distributed(_pipelined, 2, TWO_RANKS, timeout=200)
+    per_rank = run_distributed(run_cases, 2, TWO_RANKS, timeout=200)
     for i, case in enumerate(TWO_RANKS):
-        _check(case, [r[i] for r in per_rank])
+        check_case(case, [r[i] for r in per_rank])
 
 
 @pytest.mark.timeout(240)
 def test_zero_bubble_four_stages_match_one_device():
-    per_rank = run_distributed(_pipelined, 4, FOUR_RANKS_PP4, timeout=200)
+    per_rank = run_distributed(run_cases, 4, FOUR_RANKS_PP4, timeout=200)
     for i, case in enumerate(FOUR_RANKS_PP4):
-        _check(case, [r[i] for r in per_rank])
+        check_case(case, [r[i] for r in per_rank])
 
 
 @pytest.mark.timeout(240)
 def test_zero_bubble_with_data_parallel_matches_one_device():
-    per_rank = run_distributed(_pipelined, 4, FOUR_RANKS_DP2, timeout=200)
+    per_rank = run_distributed(run_cases, 4, FOUR_RANKS_DP2, timeout=200)
     for i, case in enumerate(FOUR_RANKS_DP2):
-        _check(case, [r[i] for r in per_rank])
+        check_case(case, [r[i] for r in per_rank])
 
 
 def _when_weights_accumulate(rank, world, model_kind):
     """The action kinds during which each parameter's gradient was accumulated, in one zb1p step."""
     from lightning_pp.runtime import build_pipeline
-    from test_runtime_equivalence import make_batches, make_model
+    from equivalence import make_batches, make_model
 
     model = make_model(model_kind)
     executor = build_pipeline(model, pipeline_parallel_size=2, num_microbatches=4, schedule="zb1p")
@@ -110,9 +110,9 @@ def _plan_accumulations(rank, world):
     split backwards (those with a W)."""
     from lightning_pp.runtime import build_pipeline
     from lightning_pp.schedules import rank_actions, split_backwards
-    from test_moe import _model
+    from moe_models import tiny_moe
 
-    model = _model()
+    model = tiny_moe()
     executor = build_pipeline(model, pipeline_parallel_size=2, virtual_pipeline_size=2, num_microbatches=4,
                               schedule="dualpipev")
     events = []
@@ -149,12 +149,12 @@ MOE = [  # pp 2 x ep 2, with the router's auxiliary losses; the first is the 1F1
 
 @pytest.mark.timeout(300)
 def test_zero_bubble_moe_with_expert_parallelism_matches():
-    from test_moe import STEPS, _model, _run
+    from moe_models import MOE_STEPS, run_moe_cases, tiny_moe
 
     from models import reference_run
 
-    per_rank = run_distributed(_run, 4, MOE, timeout=260)
-    ref_losses, ref_grads, ref_params = reference_run(_model(), token_batches(5, 8, 6, STEPS))
+    per_rank = run_distributed(run_moe_cases, 4, MOE, timeout=260)
+    ref_losses, ref_grads, ref_params = reference_run(tiny_moe(), token_batches(5, 8, 6, MOE_STEPS))
 
     def merged(index, part):  # a case's gradients (part 1) or parameters (2), from every rank
         out = {}
