@@ -55,8 +55,9 @@ class PipelineConfig:
     """Pipeline stages; ``None``: the world size divided by ``expert_parallel_size``."""
     expert_parallel_size: int = 1
     """Ranks per expert-parallel group (inside one stage)."""
-    virtual_pipeline_size: int = 1
-    """Model chunks per rank (at least 2 for ``interleaved``)."""
+    virtual_pipeline_size: Optional[int] = None
+    """Model chunks per rank; ``None``: the schedule's own (2 for ``interleaved``, ``zbv`` and
+    ``dualpipev``, whose stages sit in a V; 1 for the others)."""
     num_microbatches: Optional[int] = None
     """Microbatches per batch; ``None``: twice the pipeline size."""
     schedule: str = "1f1b"
@@ -105,7 +106,8 @@ class PipelineConfig:
         if self.pipeline_parallel_size is not None:
             self._schedule(self.pipeline_parallel_size)  # validates the schedule with its sizes
         else:  # the sizes that need no pipeline size; the rest when the world size is known (resolve)
-            fixes = {"expert_parallel_size": "1 for no expert parallelism", "virtual_pipeline_size": "1 (one chunk per rank)",
+            fixes = {"expert_parallel_size": "1 for no expert parallelism",
+                     "virtual_pipeline_size": "None (the schedule's own chunk count)",
                      "num_microbatches": "2 * pipeline_parallel_size", "microbatch_group_size": "None (the pipeline size)"}
             for name, fix in fixes.items():
                 value = getattr(self, name)
@@ -137,7 +139,14 @@ class PipelineConfig:
 
     def _schedule(self, pp: int) -> ScheduleConfig:
         num_microbatches = self.num_microbatches if self.num_microbatches is not None else default_num_microbatches(pp)
-        return make_config(self.schedule, pp, self.virtual_pipeline_size, num_microbatches, self.microbatch_group_size)
+        return make_config(self.schedule, pp, self.chunks_per_rank, num_microbatches, self.microbatch_group_size)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """``virtual_pipeline_size``, or the schedule's own chunk count where it is not given."""
+        if self.virtual_pipeline_size is not None:
+            return self.virtual_pipeline_size
+        return schedule_spec(self.schedule).default_vp
 
     def dims(self, world_size: int) -> ParallelDims:
         """The parallel sizes for ``world_size`` ranks (checked)."""
@@ -152,7 +161,8 @@ class PipelineConfig:
         microbatch count filled in, and the schedule validated with them, made once."""
         dims = self.dims(world_size)
         schedule = self._schedule(dims.pp)
-        config = dataclasses.replace(self, pipeline_parallel_size=dims.pp, num_microbatches=schedule.num_microbatches)
+        config = dataclasses.replace(self, pipeline_parallel_size=dims.pp, virtual_pipeline_size=schedule.vp,
+                                     num_microbatches=schedule.num_microbatches)
         return ResolvedPipeline(config, schedule, dims)
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import atexit
 import logging
 import sys
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -160,6 +161,53 @@ class PipelineEngine:
                 module.__dict__.pop("log_dict", None)
 
         return loss_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The whole model's forward, as on one device, through the forward-only schedule: the
+        positional arguments are the first pipeline layer's inputs (what ``pipeline_inputs``
+        returns for a batch), split into microbatches as a batch is (an uneven last one included);
+        the last layer's outputs, joined over the microbatches (tensors concatenated, tuples field
+        by field), come back on every rank of the pipeline, on this rank's device. Collective:
+        every rank of the pipeline calls it with the same arguments (the user's evaluation code
+        runs alike on every rank). Forward-only: gradients must be off, as in Lightning's
+        evaluation loops; training's forward and backward belong to the schedule."""
+        if kwargs:
+            raise TypeError(
+                f"the model's forward runs through the pipeline, whose first layer takes positional inputs only; "
+                f"got keyword argument(s) {', '.join(sorted(kwargs))}. Pass them positionally, in the order the "
+                f"first pipeline layer takes them (as pipeline_inputs returns them).")
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "the model's forward under pipeline parallelism is forward-only (the stages run the schedule's "
+                "forward and backward only in training, with the loss from pipeline_loss). Call it under "
+                "torch.no_grad() (Lightning's validation, test and predict loops do).")
+        if not args:
+            raise TypeError("the model's forward needs the first pipeline layer's inputs as positional arguments")
+        executor = self.executor
+        stage = executor.stage
+        saved = stage.inputs_fn, stage.predict_fn
+        stage.inputs_fn, stage.predict_fn = tuple, None  # the microbatch of the arguments, unpacked
+        try:
+            result = executor.eval_step(tuple(args), compute_loss=False, collect_outputs=True)
+        finally:
+            stage.inputs_fn, stage.predict_fn = saved
+        device = executor.device
+        return map_tensors(lambda t: t.to(device), self.gather_outputs(result.outputs))
+
+    @contextmanager
+    def module_forward(self, module: nn.Module) -> Iterator[None]:
+        """Within: ``module(...)`` (its ``forward``) runs the whole model through the pipeline
+        (:meth:`forward`), so evaluation code written for one device (``self(x)`` in
+        ``validation_step``) runs as written."""
+        previous = module.__dict__.get("forward")
+        module.__dict__["forward"] = self.forward
+        try:
+            yield
+        finally:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = previous
 
     def failure_context(self, global_rank: int) -> Optional[tuple]:
         """``(board, this rank's description, diagnosis)`` for explaining a failure outside the

@@ -81,7 +81,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self,
         pipeline_parallel_size: Optional[int] = None,
         expert_parallel_size: int = 1,
-        virtual_pipeline_size: int = 1,
+        virtual_pipeline_size: Optional[int] = None,
         num_microbatches: Optional[int] = None,
         schedule: str = "1f1b",
         layout: Layout = None,

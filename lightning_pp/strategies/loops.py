@@ -45,36 +45,33 @@ def lightning_hook_of(frame) -> Optional[str]:
 
 
 _STEP_METHODS = {
-    TrainerFn.FITTING: ("training_step", "validation_step"),
-    TrainerFn.VALIDATING: ("validation_step",),
-    TrainerFn.TESTING: ("test_step",),
-    TrainerFn.PREDICTING: ("predict_step",),
+    TrainerFn.FITTING: ("training_step",),
 }
 _STEP_ADVICE = {
     "training_step": "the loss comes from pipeline_loss, run on the last stage for every microbatch (the "
                      "strategy logs it as train_loss); log training metrics there with self.log "
                      "(self.training is True)",
-    "validation_step": "the loss comes from pipeline_loss (logged as val_loss); log validation metrics "
-                       "there with self.log (self.training is False, self.trainer.validating is True), e.g. "
-                       "for EarlyStopping or ModelCheckpoint to monitor",
-    "test_step": "the loss comes from pipeline_loss (logged as test_loss); log test metrics there with "
-                 "self.log (self.training is False, self.trainer.testing is True)",
-    "predict_step": "predictions are the last layer's outputs; post-process them (argmax, decoding) in "
-                    "pipeline_predict(self, output, batch), which the last stage calls for every microbatch",
 }
 
 
-def warn_unused_step_methods(module: Any, fn: Any) -> None:
-    """Warn once per class and method when ``module`` overrides a step method that the pipeline
-    does not call for ``fn`` (the pipeline runs the layers itself, stage by stage)."""
+def overrides_step(module: Any, name: str) -> bool:
+    """Whether ``module``'s class defines its own ``name`` (e.g. ``validation_step``)."""
     from lightning.pytorch import LightningModule
+
+    own = getattr(type(module), name, None)
+    return own is not None and own is not getattr(LightningModule, name)
+
+
+def warn_unused_step_methods(module: Any, fn: Any) -> None:
+    """Warn once per class when ``module`` overrides ``training_step``, which the pipeline does not
+    call under automatic optimization (the schedule runs forward and backward itself, stage by
+    stage). The evaluation steps are called as written (``PipelineStrategy._user_step``)."""
     from lightning.pytorch.utilities import rank_zero_warn
 
     for name in _STEP_METHODS.get(fn, ()):
         if name == "training_step" and not module.automatic_optimization:
             continue  # manual optimization: training_step is called (it calls pipeline_step)
-        own = getattr(type(module), name, None)
-        if own is None or own is getattr(LightningModule, name) or (type(module), name) in state().warned_step_methods:
+        if not overrides_step(module, name) or (type(module), name) in state().warned_step_methods:
             continue
         state().warned_step_methods.add((type(module), name))
         rank_zero_warn(
@@ -82,4 +79,3 @@ def warn_unused_step_methods(module: Any, fn: Any) -> None:
             f"pipeline runs the model's layers itself, stage by stage, so anything else it does (logging, "
             f"post-processing) does not happen. Instead: {_STEP_ADVICE[name]}."
         )
-

@@ -12,7 +12,10 @@ differ:
   itself at the start of each accumulation window, with the usual hooks. Optimizer and LR
   scheduler steps, ``accumulate_grad_batches``, ``on_before_optimizer_step`` and gradient clipping
   stay Lightning's; clipping by norm uses the global norm over all pipeline and expert ranks;
-* ``validation_step`` / ``test_step`` / ``predict_step`` run the forward-only schedule;
+* ``validation_step`` / ``test_step`` / ``predict_step`` run the forward-only schedule: the user's
+  own, as written for one device, where the module overrides them (``self(x)`` in them is the
+  whole model, its outputs on every rank), else the batch loss of ``pipeline_loss`` (logged as
+  ``val_loss`` / ``test_loss``) and the outputs of ``pipeline_predict``;
 * the batch loss reaches every rank (so rank 0's loggers and progress bar show the real loss),
   and ``self.log`` calls made in ``pipeline_loss`` on the last stage are replayed on every rank;
 * checkpoints are sharded DCP directories with global names (see ``checkpoint.py``).
@@ -43,7 +46,8 @@ from lightning_pp.runtime.step.sharding import DataParallelSharding
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
 from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin
-from lightning_pp.strategies.loops import _PipelineAutomaticOptimization, lightning_hook_of, warn_unused_step_methods
+from lightning_pp.strategies.loops import (_PipelineAutomaticOptimization, lightning_hook_of, overrides_step,
+                                          warn_unused_step_methods)
 
 
 # ``sync_dist_group`` of the values the strategy logs that every rank already holds alike.
@@ -56,11 +60,12 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     Args:
         pipeline_parallel_size: pipeline stages; default world size / expert size.
         expert_parallel_size: ranks per expert-parallel group (inside one stage).
-        virtual_pipeline_size: model chunks per rank (>= 2 for ``interleaved``).
+        virtual_pipeline_size: model chunks per rank; default the schedule's own (2 for
+            ``interleaved``, ``zbv`` and ``dualpipev``, 1 for the others).
         num_microbatches: microbatches per batch; default 2 x pipeline size.
         schedule: ``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"``, ``"gpipe"``, or a zero-bubble
             schedule: ``"zb1p"`` (ZB-H1), ``"zbv"`` or ``"dualpipev"`` (these two with
-            ``virtual_pipeline_size=2``, stages in a V); or one registered with
+            two chunks per rank, stages in a V); or one registered with
             ``lightning_pp.schedules.register_schedule``.
         layout: layers per virtual stage, as a list or a Megatron-style string; default balanced.
         microbatch_group_size: interleaved grouping of microbatches; default pipeline size.
@@ -99,7 +104,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self,
         pipeline_parallel_size: Optional[int] = None,
         expert_parallel_size: int = 1,
-        virtual_pipeline_size: int = 1,
+        virtual_pipeline_size: Optional[int] = None,
         num_microbatches: Optional[int] = None,
         schedule: str = "1f1b",
         layout: Layout = None,
@@ -271,16 +276,70 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if overrides_step(self.lightning_module, "validation_step"):
+            return self._user_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         return self._eval_step(args[0], "val_loss", self.precision_plugin.val_step_context)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if overrides_step(self.lightning_module, "test_step"):
+            return self._user_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
         return self._eval_step(args[0], "test_loss", self.precision_plugin.test_step_context)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if overrides_step(self.lightning_module, "predict_step"):
+            return self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         with self.precision_plugin.predict_step_context():
             return self.pipeline_predict(args[0])
+
+    def _user_step(self, name: str, precision_context, args: tuple, kwargs: dict) -> Any:
+        """The user's own ``validation_step`` / ``test_step`` / ``predict_step``, run as written for
+        one device on every rank: ``self(x)`` in it is the whole model, run through the forward-only
+        schedule, its outputs on every rank (:meth:`PipelineEngine.forward`), so every rank computes
+        the same metrics; what it logs is logged as one device logs it (:meth:`_log_options`)."""
+        module = self.lightning_module
+        with precision_context(), self.engine.module_forward(module), self._pipeline_logging(module):
+            return getattr(module, name)(*args, **kwargs)
+
+    @contextmanager
+    def _pipeline_logging(self, module) -> Generator[None, None, None]:
+        """Within: ``module.log`` (and ``log_dict``, which calls it) logs with :meth:`_log_options`."""
+        import inspect
+
+        from lightning.pytorch import LightningModule
+
+        signature = inspect.signature(LightningModule.log)
+
+        def log(*args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(module, *args, **kwargs)
+            arguments = dict(bound.arguments)
+            arguments.pop("self")
+            name, value = arguments.pop("name"), arguments.pop("value")
+            LightningModule.log(module, name, value, **self._log_options(arguments))
+
+        module.__dict__["log"] = log
+        try:
+            yield
+        finally:
+            module.__dict__.pop("log", None)
+
+    def _log_options(self, options: dict) -> dict:
+        """``self.log``'s options for a value that every stage of one pipeline holds alike (what the
+        user's evaluation steps and ``pipeline_loss`` log): with one data-parallel replica there is
+        nothing to reduce, so no reduction runs (nor Lightning's advice to pass ``sync_dist=True``);
+        with several, ``sync_dist=True`` reduces over the stage's replicas (a reduction over the whole
+        world would count each value once per stage: a ``"sum"`` would be ``pp`` times too large),
+        and without it each replica keeps its own value, as under DDP."""
+        options = dict(options)
+        topology = self.engine.topology
+        if topology is None or options.get("sync_dist_group") is not None:
+            return options
+        if topology.dp == 1:
+            options.update(sync_dist=True, sync_dist_group=ALREADY_GLOBAL)
+        elif options.get("sync_dist"):
+            options["sync_dist_group"] = topology.dp_group
+        return options
 
     def pipeline_predict(self, batch: Any) -> Any:
         """Forward-only pass of ``batch`` through the pipeline; the last stage's outputs
@@ -296,7 +355,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
         logs = self.engine.gather_logs()
         for name, (value, kwargs) in logs.items():
-            kwargs = dict(kwargs)
+            kwargs = self._log_options(kwargs)
             kwargs.setdefault("batch_size", batch_size)
             LightningModule.log(self.lightning_module, name, torch.tensor(value, dtype=torch.float64), **kwargs)
         return set(logs)
