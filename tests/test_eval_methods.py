@@ -9,6 +9,7 @@ and ``schedule="zbv"`` needs no ``virtual_pipeline_size``."""
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -51,6 +52,7 @@ class Classifier(L.LightningModule):
         logits, _ = output
         loss = F.cross_entropy(logits, batch[1])
         self.log("train_loss", loss)  # on one device: in training_step
+        self.log("train_acc", (logits.argmax(-1) == batch[1]).double().mean(), on_epoch=True)
         return loss
 
     def forward(self, x):
@@ -120,24 +122,37 @@ def _one_device():
     return _run(trainer, train)
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def _pipelined(rank, world):
     from lightning_pp import PipelineStrategy
 
     os.environ["LOCAL_RANK"] = str(rank)
     strategy = PipelineStrategy(schedule="zbv", num_microbatches=4)  # zbv's own two chunks per rank
-    trainer = L.Trainer(devices=world, strategy=strategy, callbacks=[_early_stopping()], **TRAINER)
+    trainer = L.Trainer(devices=world, strategy=strategy, callbacks=[_early_stopping()],
+                        **{**TRAINER, "enable_model_summary": True})
+    printed = _Lines()
+    logging.getLogger("lightning.pytorch").addHandler(printed)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = _run(trainer, DataLoader(TRAIN, batch_size=8, shuffle=True))
-    return result, [str(w.message) for w in caught], strategy.resolved.schedule.vp
+    return result, [str(w.message) for w in caught], strategy.resolved.schedule.vp, printed.lines
 
 
 @pytest.mark.timeout(300)
 def test_users_evaluation_methods_run_as_written_and_equal_one_device():
     ref_fit, ref_epochs, ref_validated, ref_tested, ref_predicted = _one_device()
     assert ref_epochs < TRAINER["max_epochs"]  # EarlyStopping stopped the reference early
-    assert {"val_acc", "val_loss", "val_feature_norm", "train_loss"} <= set(ref_fit)
-    for rank, (result, messages, vp) in enumerate(run_distributed(_pipelined, 2, timeout=280)):
+    assert {"val_acc", "val_loss", "val_feature_norm", "train_loss", "train_acc_epoch"} <= set(ref_fit)
+    whole = sum(p.numel() for p in Classifier().parameters())
+    for rank, (result, messages, vp, printed) in enumerate(run_distributed(_pipelined, 2, timeout=280)):
         fit, epochs, validated, tested, predicted = result
         assert vp == 2, "zbv takes its own chunk count"
         assert epochs == ref_epochs, f"rank {rank}: EarlyStopping stopped at epoch {epochs}, one device at {ref_epochs}"
@@ -150,6 +165,10 @@ def test_users_evaluation_methods_run_as_written_and_equal_one_device():
         for got, expected in zip(predicted, ref_predicted):
             assert torch.equal(got["label"], expected["label"])
             torch.testing.assert_close(got["confidence"], expected["confidence"], rtol=1e-9, atol=1e-12)
-        if rank == 0:  # training_step alone is named as not called (pipeline_loss does its work)
+        if rank == 0:
+            # the model summary (rank 0's) says it shows this rank's stage, next to the whole model's size
+            (note,) = [line for line in printed if "model summary" in line]
+            assert "shows this rank's pipeline stage only" in note and f"of the whole model's {whole:,}" in note, note
+            # training_step alone is named as not called (pipeline_loss does its work)
             assert [m.split(" is not called")[0] for m in messages if "is not called" in m] == ["Classifier.training_step"]
         assert not [m for m in messages if "sync_dist=True" in m], messages

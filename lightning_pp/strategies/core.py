@@ -28,6 +28,15 @@ from lightning_pp.runtime.process import state
 
 _log = logging.getLogger("lightning_pp")
 
+#: Lightning's own arguments of the strategies, described for ``__init__``'s docstring.
+LIGHTNING_ARGUMENTS = {
+    name: f"as for Lightning's DDPStrategy{extra}." for name, extra in (
+        ("accelerator", ""), ("parallel_devices", ""), ("cluster_environment", ""), ("checkpoint_io", ""),
+        ("precision_plugin", ""), ("process_group_backend", ""),
+        ("timeout", ": the process group's timeout (the pipeline's own waits: pipeline_timeout)"),
+        ("start_method", ""))
+}
+
 
 class LogRecorder:
     """Collects ``self.log`` calls made inside ``pipeline_loss`` on the last stage, so they can be
@@ -99,6 +108,7 @@ class PipelineEngine:
         self.topology = None
         self.recorder = LogRecorder()
         self.skipped_steps = 0  # training steps dropped by nonfinite="skip"
+        self.model_parameters: Optional[int] = None  # the whole model's parameter count, taken before the cut
 
     def train_step(self, batch: Any, grad_scale: float = 1.0) -> StepResult:
         """One pipelined training step; counts and warns about steps skipped as non-finite."""
@@ -139,6 +149,7 @@ class PipelineEngine:
             return existing
         check_protocol(module)
         self.setup_topology(device.type)
+        self.model_parameters = sum(p.numel() for p in module.parameters())  # the whole model's, before the cut
         executor = build_pipeline(module, self.resolved, device=device, topology=self.topology)
         _log.info("lightning_pp: rank %s holds layers %s (layers per virtual stage %s)", self.topology.describe(),
                   [f"{c.first_layer}..{c.first_layer + len(c.layers) - 1}" for c in executor.partition.chunks],
@@ -208,6 +219,16 @@ class PipelineEngine:
                 module.__dict__.pop("forward", None)
             else:
                 module.__dict__["forward"] = previous
+
+    def describe_stage(self) -> str:
+        """What this rank holds, for what shows one rank's view of the model (Lightning's model
+        summary): its layers and parameters against the whole model's."""
+        executor = self.executor
+        layers = ", ".join(f"{c.first_layer}..{c.first_layer + len(c.layers) - 1}" for c in executor.partition.chunks)
+        held = sum(p.numel() for p in executor.module.parameters())
+        total = f" of the whole model's {self.model_parameters:,}" if self.model_parameters is not None else ""
+        return (f"{self.topology.describe()} holds pipeline layers {layers} of {len(executor.partition.layer_stage)} "
+                f"and {held:,} parameters{total}")
 
     def failure_context(self, global_rank: int) -> Optional[tuple]:
         """``(board, this rank's description, diagnosis)`` for explaining a failure outside the

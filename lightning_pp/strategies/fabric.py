@@ -33,11 +33,11 @@ from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.cut.meta import has_meta_tensors
 from lightning_pp.strategies import checkpoint as ckpt
 from lightning_pp.runtime.compiled import CompileOption
-from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig
+from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig, arguments_docstring
 from lightning_pp.runtime.step.sharding import DataParallelSharding
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
-from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin
+from lightning_pp.strategies.core import LIGHTNING_ARGUMENTS, PipelineEngine, PipelineStrategyMixin
 
 
 
@@ -310,3 +310,8 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             if isinstance(obj, nn.Module):
                 return _unwrap(obj)
         return None
+
+
+FabricPipelineStrategy.__init__.__doc__ = arguments_docstring(
+    "Pipeline parallelism for Fabric.",
+    {("precision" if name == "precision_plugin" else name): description for name, description in LIGHTNING_ARGUMENTS.items()})

@@ -41,11 +41,11 @@ from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.strategies import checkpoint as ckpt
 from lightning_pp.runtime.step.microbatch import batch_size
 from lightning_pp.runtime.compiled import CompileOption
-from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig
+from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig, arguments_docstring
 from lightning_pp.runtime.step.sharding import DataParallelSharding
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
-from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin
+from lightning_pp.strategies.core import LIGHTNING_ARGUMENTS, PipelineEngine, PipelineStrategyMixin
 from lightning_pp.strategies.loops import (_PipelineAutomaticOptimization, lightning_hook_of, overrides_step,
                                           warn_unused_step_methods)
 
@@ -57,45 +57,10 @@ ALREADY_GLOBAL = "lightning_pp:already-global"
 class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     """Pipeline-parallel training for the Lightning Trainer.
 
-    Args:
-        pipeline_parallel_size: pipeline stages; default world size / expert size.
-        expert_parallel_size: ranks per expert-parallel group (inside one stage).
-        virtual_pipeline_size: model chunks per rank; default the schedule's own (2 for
-            ``interleaved``, ``zbv`` and ``dualpipev``, 1 for the others).
-        num_microbatches: microbatches per batch; default 2 x pipeline size.
-        schedule: ``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"``, ``"gpipe"``, or a zero-bubble
-            schedule: ``"zb1p"`` (ZB-H1), ``"zbv"`` or ``"dualpipev"`` (these two with
-            two chunks per rank, stages in a V); or one registered with
-            ``lightning_pp.schedules.register_schedule``.
-        layout: layers per virtual stage, as a list or a Megatron-style string; default balanced.
-        microbatch_group_size: interleaved grouping of microbatches; default pipeline size.
-        pipeline_timeout: how long any wait of a step (a stage-boundary transfer or an in-step
-            collective) may last before the step fails, naming the rank that stalled. Keep it well
-            above the longest legitimate wait (about one step) and below ``timeout``.
-        nonfinite: what a step whose loss or gradients hold inf/nan does, decided alike on every
-            rank: ``"raise"`` (default; ``NonFiniteError`` at that step), ``"skip"`` (its gradients
-            are dropped so the optimizer step changes nothing; a warning says so) or ``"ignore"``.
-        pipeline_watchdog: run the per-process watchdog thread that publishes this rank's position
-            (so peers can name a killed or stuck rank) and ends the process if it stays blocked
-            after another rank failed (see ``lightning_pp.runtime.failure``).
-        activation_checkpointing: pipeline layers that keep only their inputs and recompute their
-            forward during backward: ``True`` (every layer except those that communicate, such as
-            MoE blocks), ``False``, or a list of layer classes, e.g. ``[TransformerBlock]``.
-        static_shapes: ``True`` (default) when what crosses a stage boundary has shapes that
-            follow from the batch's shapes, so a step that repeats the previous step's batch shapes
-            sends no shape headers; ``False`` for layers whose output shapes depend on the data.
-        check_batches: compare, every step, a fingerprint of the batch each stage of a pipeline
-            loaded (it rides on the loss all-reduce): ``"raise"`` (default), ``"warn"`` or ``"off"``.
-            Stages given different batches (rank-dependent randomness in the data pipeline) would
-            pair one sample's inputs with another's targets.
-        broadcast_batches: use pipeline rank 0's batch on every stage (one broadcast per step), for
-            data pipelines that cannot give every stage the same batch.
-        data_parallel_sharding: ``"none"`` (default) or ``"full"``: every layer's parameters, gradients
-            and optimizer state sharded over its stage's replicas with FSDP2 (``docs/sharding.md``).
-        compile: ``False`` (default), ``True`` or ``torch.compile``'s keyword arguments: each
-            pipeline layer compiled in place, backward split for zero-bubble (``docs/compile.md``).
-        process_group_backend, timeout, start_method, accelerator, parallel_devices,
-        cluster_environment, checkpoint_io, precision_plugin: as for ``DDPStrategy``.
+    The pipeline's arguments are the fields of :class:`~lightning_pp.runtime.config.PipelineConfig`
+    (``timeout`` there is ``pipeline_timeout`` here, ``watchdog`` is ``pipeline_watchdog``), each
+    described where it is declared; ``__init__``'s docstring, which LightningCLI's ``--help``
+    shows, is made of those descriptions. The others are ``DDPStrategy``'s.
     """
 
     strategy_name = "pp_1f1b"
@@ -184,6 +149,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         # reset_parameters computes in float32) takes the precision's dtype, as on one device.
         self.precision_plugin.convert_module(self.model)
         warn_unused_step_methods(self.lightning_module, trainer.state.fn)
+        self._say_what_the_summary_shows(trainer)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             epoch_loop = trainer.fit_loop.epoch_loop
@@ -196,6 +162,18 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _say_what_the_summary_shows(self, trainer) -> None:
+        """Lightning's model summary (printed by rank 0 as fit starts) sees rank 0's stage only: the
+        layers of other stages are ``NotOnThisStage`` placeholders without parameters. Say so
+        just before it, with the whole model's size."""
+        from lightning.pytorch.callbacks import ModelSummary
+        from lightning.pytorch.utilities import rank_zero_info
+
+        if trainer.state.fn == TrainerFn.FITTING and any(isinstance(c, ModelSummary) for c in trainer.callbacks):
+            rank_zero_info(f"lightning_pp: the model summary below shows this rank's pipeline stage only: "
+                           f"{self.engine.describe_stage()}; the layers of other stages appear as NotOnThisStage "
+                           f"with no parameters.")
 
     def _install_global_clipping(self) -> None:
         engine = self.engine
@@ -457,3 +435,6 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         if found is not None:  # else no process group (yet): the error stays local
             board, me, diagnosis = found
             explain_exception(exception, board, me, where=locate(exception, lightning_hook_of), diagnosis=diagnosis)
+
+
+PipelineStrategy.__init__.__doc__ = arguments_docstring("Pipeline parallelism for the Trainer.", LIGHTNING_ARGUMENTS)
