@@ -174,14 +174,19 @@ class PipelineEngine:
         return loss_fn
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The whole model's forward, as on one device, through the forward-only schedule: the
-        positional arguments are the first pipeline layer's inputs (what ``pipeline_inputs``
-        returns for a batch), split into microbatches as a batch is (an uneven last one included);
-        the last layer's outputs, joined over the microbatches (tensors concatenated, tuples field
-        by field), come back on every rank of the pipeline, on this rank's device. Collective:
-        every rank of the pipeline calls it with the same arguments (the user's evaluation code
-        runs alike on every rank). Forward-only: gradients must be off, as in Lightning's
-        evaluation loops; training's forward and backward belong to the schedule."""
+        """The whole model's forward, as on one device, through the forward-only schedule of this
+        engine's executor (see :meth:`forward_of`)."""
+        return self.forward_of(self.executor, args, kwargs)
+
+    def forward_of(self, executor: PipelineExecutor, args: tuple, kwargs: dict) -> Any:
+        """The whole model's forward, as on one device, through ``executor``'s forward-only
+        schedule: the positional arguments are the first pipeline layer's inputs (what
+        ``pipeline_inputs`` returns for a batch), split into microbatches as a batch is (an uneven
+        last one included); the last layer's outputs, joined over the microbatches (tensors
+        concatenated, tuples field by field), come back on every rank of the pipeline, on this
+        rank's device. Collective: every rank of the pipeline calls it with the same arguments (the
+        user's evaluation code runs alike on every rank). Forward-only: gradients must be off, as in
+        Lightning's evaluation loops; training's forward and backward belong to the schedule."""
         if kwargs:
             raise TypeError(
                 f"the model's forward runs through the pipeline, whose first layer takes positional inputs only; "
@@ -189,12 +194,12 @@ class PipelineEngine:
                 f"first pipeline layer takes them (as pipeline_inputs returns them).")
         if torch.is_grad_enabled():
             raise RuntimeError(
-                "the model's forward under pipeline parallelism is forward-only (the stages run the schedule's "
-                "forward and backward only in training, with the loss from pipeline_loss). Call it under "
-                "torch.no_grad() (Lightning's validation, test and predict loops do).")
+                "the model's forward under pipeline parallelism is forward-only: call it under torch.no_grad() "
+                "(Lightning's validation, test and predict loops do). Training runs every microbatch's forward "
+                "and backward through the schedule, with the loss from pipeline_loss: the Trainer does it for "
+                "you; in Fabric call `loss = fabric.strategy.pipeline_step(model, batch)`.")
         if not args:
             raise TypeError("the model's forward needs the first pipeline layer's inputs as positional arguments")
-        executor = self.executor
         stage = executor.stage
         saved = stage.inputs_fn, stage.predict_fn
         stage.inputs_fn, stage.predict_fn = tuple, None  # the microbatch of the arguments, unpacked
@@ -203,7 +208,7 @@ class PipelineEngine:
         finally:
             stage.inputs_fn, stage.predict_fn = saved
         device = executor.device
-        return map_tensors(lambda t: t.to(device), self.gather_outputs(result.outputs))
+        return map_tensors(lambda t: t.to(device), self.gather_outputs(result.outputs, executor))
 
     @contextmanager
     def module_forward(self, module: nn.Module) -> Iterator[None]:
@@ -243,9 +248,9 @@ class PipelineEngine:
         me = topology.describe() if topology is not None else f"rank {global_rank}"
         return board, me, executor.diagnosis if executor is not None else None
 
-    def last_stage_rank(self) -> int:
+    def last_stage_rank(self, executor: Optional[PipelineExecutor] = None) -> int:
         """Global rank of the last pipeline stage in this rank's data-parallel slot."""
-        return self.topology.global_rank(self.executor.schedule.last_stage_rank)
+        return self.topology.global_rank((executor or self.executor).schedule.last_stage_rank)
 
     def gather_logs(self) -> dict[str, tuple[float, dict]]:
         """The last stage's recorded logs, on every rank of the pipeline."""
@@ -256,14 +261,14 @@ class PipelineEngine:
             logs = box[0]
         return logs
 
-    def gather_outputs(self, outputs: list) -> Any:
+    def gather_outputs(self, outputs: list, executor: Optional[PipelineExecutor] = None) -> Any:
         """Per-microbatch outputs of the last stage (``pipeline_predict``'s results where the module
         has it), joined along the batch, on every rank of the pipeline: tensors concatenated,
         lists chained, dicts and tuples joined field by field; anything else stays a list with one
         entry per microbatch."""
         if self.topology.pp > 1:
             box = [map_tensors(torch.Tensor.cpu, outputs)]
-            dist.broadcast_object_list(box, src=self.last_stage_rank(), group=self.topology.pp_group)
+            dist.broadcast_object_list(box, src=self.last_stage_rank(executor), group=self.topology.pp_group)
             outputs = box[0]
         return join_microbatches(outputs)
 

@@ -173,9 +173,23 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         executor = self.engine.setup_module(module, self.root_device)
         if not already_cut:
             self._apply_precision_at_the_model_boundary(executor)
+            self._forward_through_the_pipeline(module)
         # What was materialised from the meta device after the cut takes the precision's dtype, as
         # Fabric converted the rest before (a no-op otherwise).
         return self.precision.convert_module(module)
+
+    def _forward_through_the_pipeline(self, module: nn.Module) -> None:
+        """``model(x)`` (under ``torch.no_grad()``, as evaluation code written for one device calls
+        it) runs the whole model through the forward-only schedule and returns the last layer's
+        outputs on every rank (``PipelineEngine.forward_of``); Fabric's wrapper converts its input
+        and output for the precision as on one device. With gradients on it raises, naming
+        ``pipeline_step``."""
+        engine = self.engine
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return engine.forward_of(executor_of(module), args, kwargs)
+
+        module.__dict__["forward"] = forward
 
     def _apply_precision_at_the_model_boundary(self, executor) -> None:
         """What Fabric's module wrapper does on one device, at the pipeline's ends: the model's
@@ -238,7 +252,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             result = executor.eval_step(batch, compute_loss=not collect_outputs, collect_outputs=collect_outputs)
         self.engine.recorder.take()
         if collect_outputs:
-            return _widened(self.engine.gather_outputs(result.outputs), torch.get_default_dtype())
+            return _widened(self.engine.gather_outputs(result.outputs, executor), torch.get_default_dtype())
         return result.loss
 
     @override

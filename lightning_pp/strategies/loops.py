@@ -55,11 +55,15 @@ _STEP_ADVICE = {
 
 
 def overrides_step(module: Any, name: str) -> bool:
-    """Whether ``module``'s class defines its own ``name`` (e.g. ``validation_step``)."""
+    """Whether the user's class defines its own ``name`` (e.g. ``validation_step``). The one-device
+    steps of this package's ready modules (``integrations``: they call the wrapped model directly)
+    are not the user's: under the pipeline those modules keep the pipeline's own evaluation."""
     from lightning.pytorch import LightningModule
 
-    own = getattr(type(module), name, None)
-    return own is not None and own is not getattr(LightningModule, name)
+    for cls in type(module).__mro__:
+        if name in vars(cls):
+            return cls is not LightningModule and not cls.__module__.startswith("lightning_pp.")
+    return False
 
 
 def warn_unused_step_methods(module: Any, fn: Any) -> None:

@@ -304,15 +304,21 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
     def _log_options(self, options: dict) -> dict:
         """``self.log``'s options for a value that every stage of one pipeline holds alike (what the
-        user's evaluation steps and ``pipeline_loss`` log): with one data-parallel replica there is
-        nothing to reduce, so no reduction runs (nor Lightning's advice to pass ``sync_dist=True``);
-        with several, ``sync_dist=True`` reduces over the stage's replicas (a reduction over the whole
-        world would count each value once per stage: a ``"sum"`` would be ``pp`` times too large),
-        and without it each replica keeps its own value, as under DDP."""
+        user's evaluation steps and ``pipeline_loss`` log), so that it is what one device logs for
+        the whole batch: with one data-parallel replica there is nothing to reduce, so no reduction
+        runs (nor Lightning's advice to pass ``sync_dist=True``); with several, the value is reduced
+        over the stage's replicas (``sync_dist`` implied: one device sees every replica's samples),
+        never over the whole world, which would count each value once per stage (a ``"sum"``
+        ``pp`` times). A ``sync_dist_group`` the user gives is kept."""
         options = dict(options)
         topology = self.engine.topology
         if topology is None or options.get("sync_dist_group") is not None:
             return options
+        if topology.dp == 1:
+            options.update(sync_dist=True, sync_dist_group=ALREADY_GLOBAL)
+        else:
+            options.update(sync_dist=True, sync_dist_group=topology.dp_group)
+        return options
         if topology.dp == 1:
             options.update(sync_dist=True, sync_dist_group=ALREADY_GLOBAL)
         elif options.get("sync_dist"):
