@@ -1,10 +1,12 @@
 """How the pipeline strategy fits Lightning's loops: the automatic-optimization loop without its own
-backward, the step methods the pipeline does not call (and where their work goes), and Lightning's
+backward, the step methods the pipeline calls as written and the one it does not (and where its
+work goes), logging from them as one device logs, what the model summary shows, and Lightning's
 hook names for failure messages."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Generator, Optional
 
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.trainer.states import TrainerFn
@@ -83,3 +85,58 @@ def warn_unused_step_methods(module: Any, fn: Any) -> None:
             f"pipeline runs the model's layers itself, stage by stage, so anything else it does (logging, "
             f"post-processing) does not happen. Instead: {_STEP_ADVICE[name]}."
         )
+
+
+# ``sync_dist_group`` of the values the strategy logs that every rank already holds alike.
+ALREADY_GLOBAL = "lightning_pp:already-global"
+
+
+def log_options(topology: Any, options: dict) -> dict:
+    """``self.log``'s options for a value that every stage of one pipeline holds alike (what the
+    user's evaluation steps and ``pipeline_loss`` log), so that it is what one device logs for the
+    whole batch: with one data-parallel replica there is nothing to reduce, so no reduction runs (nor
+    Lightning's advice to pass ``sync_dist=True``); with several, the value is reduced over the
+    stage's replicas (``sync_dist`` implied: one device sees every replica's samples), never over
+    the whole world, which would count each value once per stage (a ``"sum"`` ``pp`` times). A
+    ``sync_dist_group`` the user gives is kept."""
+    options = dict(options)
+    if topology is None or options.get("sync_dist_group") is not None:
+        return options
+    group = ALREADY_GLOBAL if topology.dp == 1 else topology.dp_group
+    options.update(sync_dist=True, sync_dist_group=group)
+    return options
+
+
+@contextmanager
+def logging_as_one_device(module: Any, topology: Any) -> Generator[None, None, None]:
+    """Within: ``module.log`` (and ``log_dict``, which calls it) logs with :func:`log_options`."""
+    import inspect
+
+    from lightning.pytorch import LightningModule
+
+    signature = inspect.signature(LightningModule.log)
+
+    def log(*args: Any, **kwargs: Any) -> None:
+        arguments = dict(signature.bind(module, *args, **kwargs).arguments)
+        arguments.pop("self")
+        name, value = arguments.pop("name"), arguments.pop("value")
+        LightningModule.log(module, name, value, **log_options(topology, arguments))
+
+    module.__dict__["log"] = log
+    try:
+        yield
+    finally:
+        module.__dict__.pop("log", None)
+
+
+def say_what_the_summary_shows(trainer: Any, engine: Any) -> None:
+    """Lightning's model summary (printed by rank 0 as fit starts) sees rank 0's stage only: the
+    layers of other stages are ``NotOnThisStage`` placeholders without parameters. Say so just
+    before it, with the whole model's size."""
+    from lightning.pytorch.callbacks import ModelSummary
+    from lightning.pytorch.utilities import rank_zero_info
+
+    if trainer.state.fn == TrainerFn.FITTING and any(isinstance(c, ModelSummary) for c in trainer.callbacks):
+        rank_zero_info(f"lightning_pp: the model summary below shows this rank's pipeline stage only: "
+                       f"{engine.describe_stage()}; the layers of other stages appear as NotOnThisStage with no "
+                       f"parameters.")

@@ -46,12 +46,9 @@ from lightning_pp.runtime.step.sharding import DataParallelSharding
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
 from lightning_pp.strategies.core import LIGHTNING_ARGUMENTS, PipelineEngine, PipelineStrategyMixin
-from lightning_pp.strategies.loops import (_PipelineAutomaticOptimization, lightning_hook_of, overrides_step,
-                                          warn_unused_step_methods)
-
-
-# ``sync_dist_group`` of the values the strategy logs that every rank already holds alike.
-ALREADY_GLOBAL = "lightning_pp:already-global"
+from lightning_pp.strategies.loops import (ALREADY_GLOBAL, _PipelineAutomaticOptimization, lightning_hook_of,
+                                          log_options, logging_as_one_device, overrides_step,
+                                          say_what_the_summary_shows, warn_unused_step_methods)
 
 
 class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
@@ -149,7 +146,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         # reset_parameters computes in float32) takes the precision's dtype, as on one device.
         self.precision_plugin.convert_module(self.model)
         warn_unused_step_methods(self.lightning_module, trainer.state.fn)
-        self._say_what_the_summary_shows(trainer)
+        say_what_the_summary_shows(trainer, self.engine)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             epoch_loop = trainer.fit_loop.epoch_loop
@@ -162,18 +159,6 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _say_what_the_summary_shows(self, trainer) -> None:
-        """Lightning's model summary (printed by rank 0 as fit starts) sees rank 0's stage only: the
-        layers of other stages are ``NotOnThisStage`` placeholders without parameters. Say so
-        just before it, with the whole model's size."""
-        from lightning.pytorch.callbacks import ModelSummary
-        from lightning.pytorch.utilities import rank_zero_info
-
-        if trainer.state.fn == TrainerFn.FITTING and any(isinstance(c, ModelSummary) for c in trainer.callbacks):
-            rank_zero_info(f"lightning_pp: the model summary below shows this rank's pipeline stage only: "
-                           f"{self.engine.describe_stage()}; the layers of other stages appear as NotOnThisStage "
-                           f"with no parameters.")
 
     def _install_global_clipping(self) -> None:
         engine = self.engine
@@ -275,55 +260,10 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         """The user's own ``validation_step`` / ``test_step`` / ``predict_step``, run as written for
         one device on every rank: ``self(x)`` in it is the whole model, run through the forward-only
         schedule, its outputs on every rank (:meth:`PipelineEngine.forward`), so every rank computes
-        the same metrics; what it logs is logged as one device logs it (:meth:`_log_options`)."""
+        the same metrics; what it logs is logged as one device logs it (``loops.log_options``)."""
         module = self.lightning_module
-        with precision_context(), self.engine.module_forward(module), self._pipeline_logging(module):
+        with precision_context(), self.engine.module_forward(module), logging_as_one_device(module, self.engine.topology):
             return getattr(module, name)(*args, **kwargs)
-
-    @contextmanager
-    def _pipeline_logging(self, module) -> Generator[None, None, None]:
-        """Within: ``module.log`` (and ``log_dict``, which calls it) logs with :meth:`_log_options`."""
-        import inspect
-
-        from lightning.pytorch import LightningModule
-
-        signature = inspect.signature(LightningModule.log)
-
-        def log(*args: Any, **kwargs: Any) -> None:
-            bound = signature.bind(module, *args, **kwargs)
-            arguments = dict(bound.arguments)
-            arguments.pop("self")
-            name, value = arguments.pop("name"), arguments.pop("value")
-            LightningModule.log(module, name, value, **self._log_options(arguments))
-
-        module.__dict__["log"] = log
-        try:
-            yield
-        finally:
-            module.__dict__.pop("log", None)
-
-    def _log_options(self, options: dict) -> dict:
-        """``self.log``'s options for a value that every stage of one pipeline holds alike (what the
-        user's evaluation steps and ``pipeline_loss`` log), so that it is what one device logs for
-        the whole batch: with one data-parallel replica there is nothing to reduce, so no reduction
-        runs (nor Lightning's advice to pass ``sync_dist=True``); with several, the value is reduced
-        over the stage's replicas (``sync_dist`` implied: one device sees every replica's samples),
-        never over the whole world, which would count each value once per stage (a ``"sum"``
-        ``pp`` times). A ``sync_dist_group`` the user gives is kept."""
-        options = dict(options)
-        topology = self.engine.topology
-        if topology is None or options.get("sync_dist_group") is not None:
-            return options
-        if topology.dp == 1:
-            options.update(sync_dist=True, sync_dist_group=ALREADY_GLOBAL)
-        else:
-            options.update(sync_dist=True, sync_dist_group=topology.dp_group)
-        return options
-        if topology.dp == 1:
-            options.update(sync_dist=True, sync_dist_group=ALREADY_GLOBAL)
-        elif options.get("sync_dist"):
-            options["sync_dist_group"] = topology.dp_group
-        return options
 
     def pipeline_predict(self, batch: Any) -> Any:
         """Forward-only pass of ``batch`` through the pipeline; the last stage's outputs
@@ -339,7 +279,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
         logs = self.engine.gather_logs()
         for name, (value, kwargs) in logs.items():
-            kwargs = self._log_options(kwargs)
+            kwargs = log_options(self.engine.topology, kwargs)
             kwargs.setdefault("batch_size", batch_size)
             LightningModule.log(self.lightning_module, name, torch.tensor(value, dtype=torch.float64), **kwargs)
         return set(logs)
