@@ -199,7 +199,7 @@ def _compare(reference, per_rank):
         for name in ("val_acc", "train_loss"):  # train_loss: where the user logs it
             if name in ref_metrics:
                 assert metrics[name] == pytest.approx(ref_metrics[name], rel=1e-9), name
-        assert torch.equal(preds, ref_preds)  # every sample, post-processed by pipeline_predict
+        assert torch.equal(preds, ref_preds)  # every sample, post-processed by the user's predict_step
     assert seen == set(ref_params)
     # each rank holds only its own stage's parameters (the cut reached into self.model)
     held = [{n for n in r[1] if not n.startswith("_lpp")} for r in per_rank]
@@ -234,15 +234,15 @@ def test_checkpoint_holds_every_trained_weight_once(user_fit):
 
 
 @pytest.mark.timeout(240)
-def test_step_methods_that_are_not_called_are_named_and_their_work_has_a_place(user_fit):
+def test_only_training_step_is_named_as_not_called(user_fit):
     _, per_rank, _ = user_fit
     messages = per_rank[0][4]
-    for method in ("training_step", "validation_step", "predict_step"):
-        assert sum(f"UserRegressor.{method} is not called" in m for m in messages) == 1, (method, messages)
-    assert any("pipeline_predict" in m for m in messages)
+    # validation_step and predict_step ran as written (their self(x) through the pipeline)
+    assert [m.split(" is not called")[0] for m in messages if "is not called" in m] == ["UserRegressor.training_step"]
     # the strategy's own loss logging neither clashed with the user's train_loss nor asked for sync_dist
-    assert not [m for m in messages if "sync_dist=True" in m and "val_acc" not in m], messages
-    assert "val_loss" in per_rank[0][2] and "train_loss" in per_rank[0][2]
+    assert not [m for m in messages if "sync_dist=True" in m], messages
+    # the user's validation_step logs val_acc and no val_loss, as on one device
+    assert "val_acc" in per_rank[0][2] and "train_loss" in per_rank[0][2] and "val_loss" not in per_rank[0][2]
 
 
 # Each of the next runs changes one thing from a configuration the pipeline always handled (layers

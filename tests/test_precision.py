@@ -95,10 +95,17 @@ def _fabric_run(precision, strategy=None):
     with torch.no_grad():  # evaluation first, on the initial weights
         if strategy is None:
             eval_loss = float(module.pipeline_loss(model(x), (x, y)))
-            predicted = model(x)
+            predicted = forwarded = model(x)
         else:
             eval_loss = float(fabric.strategy.pipeline_eval(model, (x, y)))
             predicted = fabric.strategy.pipeline_eval(model, (x, y), collect_outputs=True)
+            forwarded = model(x)  # one device's code: the whole model's forward, through the pipeline
+    refused = None
+    if strategy is not None:  # with gradients on, the pipelined forward names what trains instead
+        try:
+            model(x)
+        except RuntimeError as error:
+            refused = str(error)
     losses = []
     for step in range(2):
         batch = (x[8 * step:8 * step + 8], y[8 * step:8 * step + 8])
@@ -110,7 +117,8 @@ def _fabric_run(precision, strategy=None):
             loss = fabric.strategy.pipeline_step(model, batch)
         optimizer.step()
         losses.append(float(loss))
-    return {"losses": losses, "eval_loss": eval_loss, "predict": predicted.float(),
+    return {"losses": losses, "eval_loss": eval_loss, "predict": predicted.float(), "forward": forwarded.float(),
+            "forward_dtype": str(forwarded.dtype), "refused": refused,
             "params": {name: p.detach().float().clone() for name, p in module.named_parameters()}}
 
 
@@ -163,6 +171,10 @@ def test_bf16_mixed_and_true_in_every_loop_trainer_and_fabric_equal_one_device()
                     _close(torch.tensor(got[field]), torch.tensor(expected[field]), f"rank {rank} {key} {field}",
                            rtol=loss_rtol)
             _close(got["predict"], expected["predict"], f"rank {rank} {key} predict")
+            if "forward" in expected:
+                _close(got["forward"], expected["forward"], f"rank {rank} {key} forward")
+                assert got["forward_dtype"] == expected["forward_dtype"], key
+                assert "fabric.strategy.pipeline_step(model, batch)" in got["refused"], got["refused"]
             if "losses" in expected:
                 _close(torch.tensor(got["losses"][0]), torch.tensor(expected["losses"][0]), f"rank {rank} {key} loss 0",
                        rtol=loss_rtol)

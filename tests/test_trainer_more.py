@@ -140,7 +140,11 @@ def test_indivisible_devices_fail_before_any_process_starts():
 
 def test_invalid_schedule_fails_in_the_constructor():
     with pytest.raises(ValueError, match="virtual_pipeline_size=1 is invalid for schedule='interleaved'"):
-        _strategy(pipeline_parallel_size=2, schedule="interleaved")
+        _strategy(pipeline_parallel_size=2, virtual_pipeline_size=1, schedule="interleaved")
+    # not given: the schedule's own chunk count
+    for schedule in ("interleaved", "zbv", "dualpipev", "1f1b"):
+        strategy = _strategy(pipeline_parallel_size=2, schedule=schedule)
+        assert strategy.engine.resolve(2).schedule.vp == (1 if schedule == "1f1b" else 2), schedule
     with pytest.raises(ValueError, match="num_microbatches=0"):
         _strategy(pipeline_parallel_size=2, num_microbatches=0)
 

@@ -52,41 +52,58 @@ class PipelineConfig:
     """Every option of a pipeline (see ``build_pipeline`` and the strategies for the prose)."""
 
     pipeline_parallel_size: Optional[int] = None
-    """Pipeline stages; ``None``: the world size divided by ``expert_parallel_size``."""
+    """Pipeline stages; default: the world size divided by ``expert_parallel_size``."""
     expert_parallel_size: int = 1
     """Ranks per expert-parallel group (inside one stage)."""
-    virtual_pipeline_size: int = 1
-    """Model chunks per rank (at least 2 for ``interleaved``)."""
+    virtual_pipeline_size: Optional[int] = None
+    """Model chunks per rank; default: the schedule's own (2 for ``interleaved``, ``zbv`` and
+    ``dualpipev``, whose stages sit in a V; 1 for the others)."""
     num_microbatches: Optional[int] = None
-    """Microbatches per batch; ``None``: twice the pipeline size."""
+    """Microbatches per batch; default: twice the pipeline size."""
     schedule: str = "1f1b"
-    """``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"``, ``"gpipe"``, ``"zb1p"``, ``"zbv"``,
-    ``"dualpipev"``, or a schedule registered with :func:`lightning_pp.schedules.register_schedule`."""
+    """``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"``, ``"gpipe"``, or a zero-bubble schedule:
+    ``"zb1p"`` (ZB-H1), ``"zbv"`` or ``"dualpipev"`` (two chunks per rank, stages in a V); or one
+    registered with ``lightning_pp.schedules.register_schedule``."""
     layout: Layout = None
-    """Layers per virtual stage: a list or a Megatron-style string; ``None``: balanced."""
+    """Layers per virtual stage, as a list or a Megatron-style string; default: balanced."""
     microbatch_group_size: Optional[int] = None
-    """Interleaved grouping of microbatches; ``None``: the pipeline size."""
+    """Interleaved grouping of microbatches; default: the pipeline size."""
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
-    """How long any wait of a step may last before the step fails, naming the rank that stalled."""
+    """How long any wait of a step (a stage-boundary transfer or an in-step collective) may last
+    before the step fails, naming the rank that stalled. Keep it well above the longest legitimate
+    wait (about one step) and below the process group's ``timeout``."""
     nonfinite: NonFinitePolicy = "raise"
-    """A step with inf/nan loss or gradients: ``"raise"``, ``"skip"`` or ``"ignore"``, on every rank alike."""
+    """What a step whose loss or gradients hold inf/nan does, decided alike on every rank:
+    ``"raise"`` (``NonFiniteError`` at that step), ``"skip"`` (its gradients are dropped so the
+    optimizer step changes nothing; a warning says so) or ``"ignore"``."""
     watchdog: Union[bool, WatchdogConfig] = True
-    """The watchdog thread (publishes this rank's position, ends it if blocked after a peer failed)."""
+    """Run the per-process watchdog thread that publishes this rank's position (so peers can name a
+    killed or stuck rank) and ends the process if it stays blocked after another rank failed (see
+    ``lightning_pp.runtime.failure``); or a ``WatchdogConfig``."""
     activation_checkpointing: CheckpointPolicy = False
-    """Layers recomputed in backward: ``True`` (all that can be), ``False``, or layer classes."""
+    """Pipeline layers that keep only their inputs and recompute their forward during backward:
+    ``True`` (every layer except those that communicate, such as MoE blocks), ``False``, or a list
+    of layer classes, e.g. ``[TransformerBlock]``."""
     static_shapes: bool = True
-    """Stage outputs' shapes follow from the batch's: repeated shapes travel without headers."""
+    """``True`` when what crosses a stage boundary has shapes that follow from the batch's shapes,
+    so a step that repeats the previous step's batch shapes sends no shape headers; ``False`` for
+    layers whose output shapes depend on the data."""
     check_batches: BatchCheck = "raise"
-    """Compare every step a fingerprint of each stage's batch: ``"raise"``, ``"warn"`` or ``"off"``."""
+    """Compare, every step, a fingerprint of the batch each stage of a pipeline loaded (it rides on
+    the loss all-reduce): ``"raise"``, ``"warn"`` or ``"off"``. Stages given different batches
+    (rank-dependent randomness in the data pipeline) would pair one sample's inputs with another's
+    targets."""
     broadcast_batches: bool = False
-    """Use pipeline rank 0's batch on every stage (one broadcast per step) instead of checking."""
+    """Use pipeline rank 0's batch on every stage (one broadcast per step), for data pipelines that
+    cannot give every stage the same batch."""
     data_parallel_sharding: DataParallelSharding = "none"
     """``"full"``: each stage's parameters, gradients and optimizer state sharded over its
-    data-parallel replicas with FSDP2 (experts over the expert-data-parallel ones); ``"none"``: whole."""
+    data-parallel replicas with FSDP2 (experts over the expert-data-parallel ones; ``docs/sharding.md``);
+    ``"none"``: whole."""
     compile: CompileOption = False
     """Compile each pipeline layer in place with ``torch.compile``: ``True`` (inductor), ``False``, or
     ``torch.compile``'s keyword arguments, e.g. ``{"mode": "max-autotune"}``; backward split for the
-    zero-bubble schedules (see :mod:`lightning_pp.runtime.compiled`)."""
+    zero-bubble schedules (``docs/compile.md``)."""
 
     def __post_init__(self) -> None:
         check_nonfinite_policy(self.nonfinite)
@@ -105,7 +122,8 @@ class PipelineConfig:
         if self.pipeline_parallel_size is not None:
             self._schedule(self.pipeline_parallel_size)  # validates the schedule with its sizes
         else:  # the sizes that need no pipeline size; the rest when the world size is known (resolve)
-            fixes = {"expert_parallel_size": "1 for no expert parallelism", "virtual_pipeline_size": "1 (one chunk per rank)",
+            fixes = {"expert_parallel_size": "1 for no expert parallelism",
+                     "virtual_pipeline_size": "None (the schedule's own chunk count)",
                      "num_microbatches": "2 * pipeline_parallel_size", "microbatch_group_size": "None (the pipeline size)"}
             for name, fix in fixes.items():
                 value = getattr(self, name)
@@ -137,7 +155,14 @@ class PipelineConfig:
 
     def _schedule(self, pp: int) -> ScheduleConfig:
         num_microbatches = self.num_microbatches if self.num_microbatches is not None else default_num_microbatches(pp)
-        return make_config(self.schedule, pp, self.virtual_pipeline_size, num_microbatches, self.microbatch_group_size)
+        return make_config(self.schedule, pp, self.chunks_per_rank, num_microbatches, self.microbatch_group_size)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """``virtual_pipeline_size``, or the schedule's own chunk count where it is not given."""
+        if self.virtual_pipeline_size is not None:
+            return self.virtual_pipeline_size
+        return schedule_spec(self.schedule).default_vp
 
     def dims(self, world_size: int) -> ParallelDims:
         """The parallel sizes for ``world_size`` ranks (checked)."""
@@ -152,7 +177,8 @@ class PipelineConfig:
         microbatch count filled in, and the schedule validated with them, made once."""
         dims = self.dims(world_size)
         schedule = self._schedule(dims.pp)
-        config = dataclasses.replace(self, pipeline_parallel_size=dims.pp, num_microbatches=schedule.num_microbatches)
+        config = dataclasses.replace(self, pipeline_parallel_size=dims.pp, virtual_pipeline_size=schedule.vp,
+                                     num_microbatches=schedule.num_microbatches)
         return ResolvedPipeline(config, schedule, dims)
 
 
@@ -165,3 +191,37 @@ class ResolvedPipeline:
     config: PipelineConfig
     schedule: ScheduleConfig
     dims: ParallelDims
+
+
+def option_descriptions() -> dict[str, str]:
+    """Each option's description, by the strategies' argument name (:data:`STRATEGY_NAMES`): the
+    docstring under its field above, read from this module's source, the one place options are
+    described. The strategies' ``__init__`` docstrings are made of them (:func:`arguments_docstring`),
+    which is what LightningCLI's ``--help`` shows. Empty where the source is not available."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(PipelineConfig))
+    except (OSError, TypeError):  # no source (e.g. a bytecode-only install)
+        return {}
+    body = tree.body[0].body
+    descriptions = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
+            name = node.target.id
+            descriptions[STRATEGY_NAMES.get(name, name)] = " ".join(inspect.cleandoc(following.value.value).split())
+    return descriptions
+
+
+def arguments_docstring(summary: str, others: dict[str, str]) -> str:
+    """A Google-style docstring: ``summary``, then ``Args:`` with every option
+    (:func:`option_descriptions`) followed by ``others`` (the strategy's Lightning arguments)."""
+    import textwrap
+
+    lines = [summary, "", "Args:"]
+    for name, description in {**option_descriptions(), **others}.items():
+        lines += textwrap.wrap(f"{name}: {description}", width=100, initial_indent="    ",
+                               subsequent_indent="        ", break_on_hyphens=False, break_long_words=False)
+    return "\n".join(lines) + "\n"

@@ -7,7 +7,8 @@ from __future__ import annotations
 import atexit
 import logging
 import sys
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,15 @@ from lightning_pp.strategies.data import DataParallelWorld, LitdataSharding, dat
 from lightning_pp.runtime.process import state
 
 _log = logging.getLogger("lightning_pp")
+
+#: Lightning's own arguments of the strategies, described for ``__init__``'s docstring.
+LIGHTNING_ARGUMENTS = {
+    name: f"as for Lightning's DDPStrategy{extra}." for name, extra in (
+        ("accelerator", ""), ("parallel_devices", ""), ("cluster_environment", ""), ("checkpoint_io", ""),
+        ("precision_plugin", ""), ("process_group_backend", ""),
+        ("timeout", ": the process group's timeout (the pipeline's own waits: pipeline_timeout)"),
+        ("start_method", ""))
+}
 
 
 class LogRecorder:
@@ -98,6 +108,7 @@ class PipelineEngine:
         self.topology = None
         self.recorder = LogRecorder()
         self.skipped_steps = 0  # training steps dropped by nonfinite="skip"
+        self.model_parameters: Optional[int] = None  # the whole model's parameter count, taken before the cut
 
     def train_step(self, batch: Any, grad_scale: float = 1.0) -> StepResult:
         """One pipelined training step; counts and warns about steps skipped as non-finite."""
@@ -138,6 +149,7 @@ class PipelineEngine:
             return existing
         check_protocol(module)
         self.setup_topology(device.type)
+        self.model_parameters = sum(p.numel() for p in module.parameters())  # the whole model's, before the cut
         executor = build_pipeline(module, self.resolved, device=device, topology=self.topology)
         _log.info("lightning_pp: rank %s holds layers %s (layers per virtual stage %s)", self.topology.describe(),
                   [f"{c.first_layer}..{c.first_layer + len(c.layers) - 1}" for c in executor.partition.chunks],
@@ -161,6 +173,68 @@ class PipelineEngine:
 
         return loss_fn
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The whole model's forward, as on one device, through the forward-only schedule of this
+        engine's executor (see :meth:`forward_of`)."""
+        return self.forward_of(self.executor, args, kwargs)
+
+    def forward_of(self, executor: PipelineExecutor, args: tuple, kwargs: dict) -> Any:
+        """The whole model's forward, as on one device, through ``executor``'s forward-only
+        schedule: the positional arguments are the first pipeline layer's inputs (what
+        ``pipeline_inputs`` returns for a batch), split into microbatches as a batch is (an uneven
+        last one included); the last layer's outputs, joined over the microbatches (tensors
+        concatenated, tuples field by field), come back on every rank of the pipeline, on this
+        rank's device. Collective: every rank of the pipeline calls it with the same arguments (the
+        user's evaluation code runs alike on every rank). Forward-only: gradients must be off, as in
+        Lightning's evaluation loops; training's forward and backward belong to the schedule."""
+        if kwargs:
+            raise TypeError(
+                f"the model's forward runs through the pipeline, whose first layer takes positional inputs only; "
+                f"got keyword argument(s) {', '.join(sorted(kwargs))}. Pass them positionally, in the order the "
+                f"first pipeline layer takes them (as pipeline_inputs returns them).")
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "the model's forward under pipeline parallelism is forward-only: call it under torch.no_grad() "
+                "(Lightning's validation, test and predict loops do). Training runs every microbatch's forward "
+                "and backward through the schedule, with the loss from pipeline_loss: the Trainer does it for "
+                "you; in Fabric call `loss = fabric.strategy.pipeline_step(model, batch)`.")
+        if not args:
+            raise TypeError("the model's forward needs the first pipeline layer's inputs as positional arguments")
+        stage = executor.stage
+        saved = stage.inputs_fn, stage.predict_fn
+        stage.inputs_fn, stage.predict_fn = tuple, None  # the microbatch of the arguments, unpacked
+        try:
+            result = executor.eval_step(tuple(args), compute_loss=False, collect_outputs=True)
+        finally:
+            stage.inputs_fn, stage.predict_fn = saved
+        device = executor.device
+        return map_tensors(lambda t: t.to(device), self.gather_outputs(result.outputs, executor))
+
+    @contextmanager
+    def module_forward(self, module: nn.Module) -> Iterator[None]:
+        """Within: ``module(...)`` (its ``forward``) runs the whole model through the pipeline
+        (:meth:`forward`), so evaluation code written for one device (``self(x)`` in
+        ``validation_step``) runs as written."""
+        previous = module.__dict__.get("forward")
+        module.__dict__["forward"] = self.forward
+        try:
+            yield
+        finally:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = previous
+
+    def describe_stage(self) -> str:
+        """What this rank holds, for what shows one rank's view of the model (Lightning's model
+        summary): its layers and parameters against the whole model's."""
+        executor = self.executor
+        layers = ", ".join(f"{c.first_layer}..{c.first_layer + len(c.layers) - 1}" for c in executor.partition.chunks)
+        held = sum(p.numel() for p in executor.module.parameters())
+        total = f" of the whole model's {self.model_parameters:,}" if self.model_parameters is not None else ""
+        return (f"{self.topology.describe()} holds pipeline layers {layers} of {len(executor.partition.layer_stage)} "
+                f"and {held:,} parameters{total}")
+
     def failure_context(self, global_rank: int) -> Optional[tuple]:
         """``(board, this rank's description, diagnosis)`` for explaining a failure outside the
         step on every rank, or ``None`` when there is no process group (yet) to share it through."""
@@ -174,9 +248,9 @@ class PipelineEngine:
         me = topology.describe() if topology is not None else f"rank {global_rank}"
         return board, me, executor.diagnosis if executor is not None else None
 
-    def last_stage_rank(self) -> int:
+    def last_stage_rank(self, executor: Optional[PipelineExecutor] = None) -> int:
         """Global rank of the last pipeline stage in this rank's data-parallel slot."""
-        return self.topology.global_rank(self.executor.schedule.last_stage_rank)
+        return self.topology.global_rank((executor or self.executor).schedule.last_stage_rank)
 
     def gather_logs(self) -> dict[str, tuple[float, dict]]:
         """The last stage's recorded logs, on every rank of the pipeline."""
@@ -187,14 +261,14 @@ class PipelineEngine:
             logs = box[0]
         return logs
 
-    def gather_outputs(self, outputs: list) -> Any:
+    def gather_outputs(self, outputs: list, executor: Optional[PipelineExecutor] = None) -> Any:
         """Per-microbatch outputs of the last stage (``pipeline_predict``'s results where the module
         has it), joined along the batch, on every rank of the pipeline: tensors concatenated,
         lists chained, dicts and tuples joined field by field; anything else stays a list with one
         entry per microbatch."""
         if self.topology.pp > 1:
             box = [map_tensors(torch.Tensor.cpu, outputs)]
-            dist.broadcast_object_list(box, src=self.last_stage_rank(), group=self.topology.pp_group)
+            dist.broadcast_object_list(box, src=self.last_stage_rank(executor), group=self.topology.pp_group)
             outputs = box[0]
         return join_microbatches(outputs)
 

@@ -33,11 +33,11 @@ from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.cut.meta import has_meta_tensors
 from lightning_pp.strategies import checkpoint as ckpt
 from lightning_pp.runtime.compiled import CompileOption
-from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig
+from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig, arguments_docstring
 from lightning_pp.runtime.step.sharding import DataParallelSharding
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
-from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin
+from lightning_pp.strategies.core import LIGHTNING_ARGUMENTS, PipelineEngine, PipelineStrategyMixin
 
 
 
@@ -81,7 +81,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self,
         pipeline_parallel_size: Optional[int] = None,
         expert_parallel_size: int = 1,
-        virtual_pipeline_size: int = 1,
+        virtual_pipeline_size: Optional[int] = None,
         num_microbatches: Optional[int] = None,
         schedule: str = "1f1b",
         layout: Layout = None,
@@ -173,9 +173,23 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         executor = self.engine.setup_module(module, self.root_device)
         if not already_cut:
             self._apply_precision_at_the_model_boundary(executor)
+            self._forward_through_the_pipeline(module)
         # What was materialised from the meta device after the cut takes the precision's dtype, as
         # Fabric converted the rest before (a no-op otherwise).
         return self.precision.convert_module(module)
+
+    def _forward_through_the_pipeline(self, module: nn.Module) -> None:
+        """``model(x)`` (under ``torch.no_grad()``, as evaluation code written for one device calls
+        it) runs the whole model through the forward-only schedule and returns the last layer's
+        outputs on every rank (``PipelineEngine.forward_of``); Fabric's wrapper converts its input
+        and output for the precision as on one device. With gradients on it raises, naming
+        ``pipeline_step``."""
+        engine = self.engine
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return engine.forward_of(executor_of(module), args, kwargs)
+
+        module.__dict__["forward"] = forward
 
     def _apply_precision_at_the_model_boundary(self, executor) -> None:
         """What Fabric's module wrapper does on one device, at the pipeline's ends: the model's
@@ -238,7 +252,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             result = executor.eval_step(batch, compute_loss=not collect_outputs, collect_outputs=collect_outputs)
         self.engine.recorder.take()
         if collect_outputs:
-            return _widened(self.engine.gather_outputs(result.outputs), torch.get_default_dtype())
+            return _widened(self.engine.gather_outputs(result.outputs, executor), torch.get_default_dtype())
         return result.loss
 
     @override
@@ -310,3 +324,8 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             if isinstance(obj, nn.Module):
                 return _unwrap(obj)
         return None
+
+
+FabricPipelineStrategy.__init__.__doc__ = arguments_docstring(
+    "Pipeline parallelism for Fabric.",
+    {("precision" if name == "precision_plugin" else name): description for name, description in LIGHTNING_ARGUMENTS.items()})

@@ -1,10 +1,12 @@
 """How the pipeline strategy fits Lightning's loops: the automatic-optimization loop without its own
-backward, the step methods the pipeline does not call (and where their work goes), and Lightning's
+backward, the step methods the pipeline calls as written and the one it does not (and where its
+work goes), logging from them as one device logs, what the model summary shows, and Lightning's
 hook names for failure messages."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Generator, Optional
 
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.trainer.states import TrainerFn
@@ -45,36 +47,37 @@ def lightning_hook_of(frame) -> Optional[str]:
 
 
 _STEP_METHODS = {
-    TrainerFn.FITTING: ("training_step", "validation_step"),
-    TrainerFn.VALIDATING: ("validation_step",),
-    TrainerFn.TESTING: ("test_step",),
-    TrainerFn.PREDICTING: ("predict_step",),
+    TrainerFn.FITTING: ("training_step",),
 }
 _STEP_ADVICE = {
     "training_step": "the loss comes from pipeline_loss, run on the last stage for every microbatch (the "
                      "strategy logs it as train_loss); log training metrics there with self.log "
                      "(self.training is True)",
-    "validation_step": "the loss comes from pipeline_loss (logged as val_loss); log validation metrics "
-                       "there with self.log (self.training is False, self.trainer.validating is True), e.g. "
-                       "for EarlyStopping or ModelCheckpoint to monitor",
-    "test_step": "the loss comes from pipeline_loss (logged as test_loss); log test metrics there with "
-                 "self.log (self.training is False, self.trainer.testing is True)",
-    "predict_step": "predictions are the last layer's outputs; post-process them (argmax, decoding) in "
-                    "pipeline_predict(self, output, batch), which the last stage calls for every microbatch",
 }
 
 
-def warn_unused_step_methods(module: Any, fn: Any) -> None:
-    """Warn once per class and method when ``module`` overrides a step method that the pipeline
-    does not call for ``fn`` (the pipeline runs the layers itself, stage by stage)."""
+def overrides_step(module: Any, name: str) -> bool:
+    """Whether the user's class defines its own ``name`` (e.g. ``validation_step``). The one-device
+    steps of this package's ready modules (``integrations``: they call the wrapped model directly)
+    are not the user's: under the pipeline those modules keep the pipeline's own evaluation."""
     from lightning.pytorch import LightningModule
+
+    for cls in type(module).__mro__:
+        if name in vars(cls):
+            return cls is not LightningModule and not cls.__module__.startswith("lightning_pp.")
+    return False
+
+
+def warn_unused_step_methods(module: Any, fn: Any) -> None:
+    """Warn once per class when ``module`` overrides ``training_step``, which the pipeline does not
+    call under automatic optimization (the schedule runs forward and backward itself, stage by
+    stage). The evaluation steps are called as written (``PipelineStrategy._user_step``)."""
     from lightning.pytorch.utilities import rank_zero_warn
 
     for name in _STEP_METHODS.get(fn, ()):
         if name == "training_step" and not module.automatic_optimization:
             continue  # manual optimization: training_step is called (it calls pipeline_step)
-        own = getattr(type(module), name, None)
-        if own is None or own is getattr(LightningModule, name) or (type(module), name) in state().warned_step_methods:
+        if not overrides_step(module, name) or (type(module), name) in state().warned_step_methods:
             continue
         state().warned_step_methods.add((type(module), name))
         rank_zero_warn(
@@ -83,3 +86,57 @@ def warn_unused_step_methods(module: Any, fn: Any) -> None:
             f"post-processing) does not happen. Instead: {_STEP_ADVICE[name]}."
         )
 
+
+# ``sync_dist_group`` of the values the strategy logs that every rank already holds alike.
+ALREADY_GLOBAL = "lightning_pp:already-global"
+
+
+def log_options(topology: Any, options: dict) -> dict:
+    """``self.log``'s options for a value that every stage of one pipeline holds alike (what the
+    user's evaluation steps and ``pipeline_loss`` log), so that it is what one device logs for the
+    whole batch: with one data-parallel replica there is nothing to reduce, so no reduction runs (nor
+    Lightning's advice to pass ``sync_dist=True``); with several, the value is reduced over the
+    stage's replicas (``sync_dist`` implied: one device sees every replica's samples), never over
+    the whole world, which would count each value once per stage (a ``"sum"`` ``pp`` times). A
+    ``sync_dist_group`` the user gives is kept."""
+    options = dict(options)
+    if topology is None or options.get("sync_dist_group") is not None:
+        return options
+    group = ALREADY_GLOBAL if topology.dp == 1 else topology.dp_group
+    options.update(sync_dist=True, sync_dist_group=group)
+    return options
+
+
+@contextmanager
+def logging_as_one_device(module: Any, topology: Any) -> Generator[None, None, None]:
+    """Within: ``module.log`` (and ``log_dict``, which calls it) logs with :func:`log_options`."""
+    import inspect
+
+    from lightning.pytorch import LightningModule
+
+    signature = inspect.signature(LightningModule.log)
+
+    def log(*args: Any, **kwargs: Any) -> None:
+        arguments = dict(signature.bind(module, *args, **kwargs).arguments)
+        arguments.pop("self")
+        name, value = arguments.pop("name"), arguments.pop("value")
+        LightningModule.log(module, name, value, **log_options(topology, arguments))
+
+    module.__dict__["log"] = log
+    try:
+        yield
+    finally:
+        module.__dict__.pop("log", None)
+
+
+def say_what_the_summary_shows(trainer: Any, engine: Any) -> None:
+    """Lightning's model summary (printed by rank 0 as fit starts) sees rank 0's stage only: the
+    layers of other stages are ``NotOnThisStage`` placeholders without parameters. Say so just
+    before it, with the whole model's size."""
+    from lightning.pytorch.callbacks import ModelSummary
+    from lightning.pytorch.utilities import rank_zero_info
+
+    if trainer.state.fn == TrainerFn.FITTING and any(isinstance(c, ModelSummary) for c in trainer.callbacks):
+        rank_zero_info(f"lightning_pp: the model summary below shows this rank's pipeline stage only: "
+                       f"{engine.describe_stage()}; the layers of other stages appear as NotOnThisStage with no "
+                       f"parameters.")

@@ -9,6 +9,8 @@ finish importing (a meta-path hook). The factories import the strategy classes o
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib.abc
 import importlib.machinery
 import sys
@@ -44,9 +46,39 @@ def _fabric_strategy(**kwargs: Any):
     return FabricPipelineStrategy(**kwargs)
 
 
+def unknown_name_message(name: str) -> str:
+    """The error for a ``pp_*`` strategy name that is not registered: the pipeline names."""
+    names = list(registered())
+    close = difflib.get_close_matches(name, names, n=1)
+    return (f"strategy={name!r} is not a lightning_pp pipeline strategy name"
+            f"{f' (did you mean {close[0]!r}?)' if close else ''}: the names are {', '.join(names)} "
+            f"(pp_<schedule>, one per schedule of lightning_pp.schedules). Or pass "
+            f"lightning_pp.PipelineStrategy(schedule=...) (FabricPipelineStrategy for Fabric).")
+
+
+def _name_pipeline_strategies(connector: type) -> None:
+    """Make ``connector`` (Lightning's Trainer or Fabric connector, which checks the strategy name
+    and answers an unknown one with a generic list) answer an unknown ``pp_*`` name with
+    :func:`unknown_name_message` instead. A connector without that check is left as it is."""
+    check = getattr(connector, "_check_config_and_set_final_flags", None)
+    if check is None or getattr(check, "_lightning_pp", False):
+        return
+
+    @functools.wraps(check)
+    def checked(self, strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(strategy, str) and strategy.startswith("pp_") and strategy not in registered():
+            raise ValueError(unknown_name_message(strategy))
+        return check(self, strategy, *args, **kwargs)
+
+    checked._lightning_pp = True
+    connector._check_config_and_set_final_flags = checked
+
+
 _TARGETS = {
     "lightning.pytorch.strategies": ("StrategyRegistry", _trainer_strategy),
     "lightning.fabric.strategies": ("STRATEGY_REGISTRY", _fabric_strategy),
+    "lightning.pytorch.trainer.connectors.accelerator_connector": ("_AcceleratorConnector", None),
+    "lightning.fabric.connector": ("_Connector", None),
 }
 
 
@@ -62,7 +94,13 @@ def register_into(registry: Any, factory: Any) -> None:
 
 def _register_module(module_name: str) -> None:
     attr, factory = _TARGETS[module_name]
-    register_into(getattr(sys.modules[module_name], attr), factory)
+    target = getattr(sys.modules[module_name], attr, None)
+    if target is None:
+        return
+    if factory is None:  # a connector
+        _name_pipeline_strategies(target)
+    else:
+        register_into(target, factory)
 
 
 def _on_schedule_change(schedule: str, spec: Any) -> None:

@@ -12,7 +12,10 @@ differ:
   itself at the start of each accumulation window, with the usual hooks. Optimizer and LR
   scheduler steps, ``accumulate_grad_batches``, ``on_before_optimizer_step`` and gradient clipping
   stay Lightning's; clipping by norm uses the global norm over all pipeline and expert ranks;
-* ``validation_step`` / ``test_step`` / ``predict_step`` run the forward-only schedule;
+* ``validation_step`` / ``test_step`` / ``predict_step`` run the forward-only schedule: the user's
+  own, as written for one device, where the module overrides them (``self(x)`` in them is the
+  whole model, its outputs on every rank), else the batch loss of ``pipeline_loss`` (logged as
+  ``val_loss`` / ``test_loss``) and the outputs of ``pipeline_predict``;
 * the batch loss reaches every rank (so rank 0's loggers and progress bar show the real loss),
   and ``self.log`` calls made in ``pipeline_loss`` on the last stage are replayed on every rank;
 * checkpoints are sharded DCP directories with global names (see ``checkpoint.py``).
@@ -38,59 +41,23 @@ from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.strategies import checkpoint as ckpt
 from lightning_pp.runtime.step.microbatch import batch_size
 from lightning_pp.runtime.compiled import CompileOption
-from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig
+from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig, arguments_docstring
 from lightning_pp.runtime.step.sharding import DataParallelSharding
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
-from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin
-from lightning_pp.strategies.loops import _PipelineAutomaticOptimization, lightning_hook_of, warn_unused_step_methods
-
-
-# ``sync_dist_group`` of the values the strategy logs that every rank already holds alike.
-ALREADY_GLOBAL = "lightning_pp:already-global"
+from lightning_pp.strategies.core import LIGHTNING_ARGUMENTS, PipelineEngine, PipelineStrategyMixin
+from lightning_pp.strategies.loops import (ALREADY_GLOBAL, _PipelineAutomaticOptimization, lightning_hook_of,
+                                          log_options, logging_as_one_device, overrides_step,
+                                          say_what_the_summary_shows, warn_unused_step_methods)
 
 
 class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     """Pipeline-parallel training for the Lightning Trainer.
 
-    Args:
-        pipeline_parallel_size: pipeline stages; default world size / expert size.
-        expert_parallel_size: ranks per expert-parallel group (inside one stage).
-        virtual_pipeline_size: model chunks per rank (>= 2 for ``interleaved``).
-        num_microbatches: microbatches per batch; default 2 x pipeline size.
-        schedule: ``"1f1b"``, ``"interleaved"``, ``"combined_1f1b"``, ``"gpipe"``, or a zero-bubble
-            schedule: ``"zb1p"`` (ZB-H1), ``"zbv"`` or ``"dualpipev"`` (these two with
-            ``virtual_pipeline_size=2``, stages in a V); or one registered with
-            ``lightning_pp.schedules.register_schedule``.
-        layout: layers per virtual stage, as a list or a Megatron-style string; default balanced.
-        microbatch_group_size: interleaved grouping of microbatches; default pipeline size.
-        pipeline_timeout: how long any wait of a step (a stage-boundary transfer or an in-step
-            collective) may last before the step fails, naming the rank that stalled. Keep it well
-            above the longest legitimate wait (about one step) and below ``timeout``.
-        nonfinite: what a step whose loss or gradients hold inf/nan does, decided alike on every
-            rank: ``"raise"`` (default; ``NonFiniteError`` at that step), ``"skip"`` (its gradients
-            are dropped so the optimizer step changes nothing; a warning says so) or ``"ignore"``.
-        pipeline_watchdog: run the per-process watchdog thread that publishes this rank's position
-            (so peers can name a killed or stuck rank) and ends the process if it stays blocked
-            after another rank failed (see ``lightning_pp.runtime.failure``).
-        activation_checkpointing: pipeline layers that keep only their inputs and recompute their
-            forward during backward: ``True`` (every layer except those that communicate, such as
-            MoE blocks), ``False``, or a list of layer classes, e.g. ``[TransformerBlock]``.
-        static_shapes: ``True`` (default) when what crosses a stage boundary has shapes that
-            follow from the batch's shapes, so a step that repeats the previous step's batch shapes
-            sends no shape headers; ``False`` for layers whose output shapes depend on the data.
-        check_batches: compare, every step, a fingerprint of the batch each stage of a pipeline
-            loaded (it rides on the loss all-reduce): ``"raise"`` (default), ``"warn"`` or ``"off"``.
-            Stages given different batches (rank-dependent randomness in the data pipeline) would
-            pair one sample's inputs with another's targets.
-        broadcast_batches: use pipeline rank 0's batch on every stage (one broadcast per step), for
-            data pipelines that cannot give every stage the same batch.
-        data_parallel_sharding: ``"none"`` (default) or ``"full"``: every layer's parameters, gradients
-            and optimizer state sharded over its stage's replicas with FSDP2 (``docs/sharding.md``).
-        compile: ``False`` (default), ``True`` or ``torch.compile``'s keyword arguments: each
-            pipeline layer compiled in place, backward split for zero-bubble (``docs/compile.md``).
-        process_group_backend, timeout, start_method, accelerator, parallel_devices,
-        cluster_environment, checkpoint_io, precision_plugin: as for ``DDPStrategy``.
+    The pipeline's arguments are the fields of :class:`~lightning_pp.runtime.config.PipelineConfig`
+    (``timeout`` there is ``pipeline_timeout`` here, ``watchdog`` is ``pipeline_watchdog``), each
+    described where it is declared; ``__init__``'s docstring, which LightningCLI's ``--help``
+    shows, is made of those descriptions. The others are ``DDPStrategy``'s.
     """
 
     strategy_name = "pp_1f1b"
@@ -99,7 +66,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self,
         pipeline_parallel_size: Optional[int] = None,
         expert_parallel_size: int = 1,
-        virtual_pipeline_size: int = 1,
+        virtual_pipeline_size: Optional[int] = None,
         num_microbatches: Optional[int] = None,
         schedule: str = "1f1b",
         layout: Layout = None,
@@ -179,6 +146,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         # reset_parameters computes in float32) takes the precision's dtype, as on one device.
         self.precision_plugin.convert_module(self.model)
         warn_unused_step_methods(self.lightning_module, trainer.state.fn)
+        say_what_the_summary_shows(trainer, self.engine)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             epoch_loop = trainer.fit_loop.epoch_loop
@@ -271,16 +239,31 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if overrides_step(self.lightning_module, "validation_step"):
+            return self._user_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         return self._eval_step(args[0], "val_loss", self.precision_plugin.val_step_context)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if overrides_step(self.lightning_module, "test_step"):
+            return self._user_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
         return self._eval_step(args[0], "test_loss", self.precision_plugin.test_step_context)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if overrides_step(self.lightning_module, "predict_step"):
+            return self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         with self.precision_plugin.predict_step_context():
             return self.pipeline_predict(args[0])
+
+    def _user_step(self, name: str, precision_context, args: tuple, kwargs: dict) -> Any:
+        """The user's own ``validation_step`` / ``test_step`` / ``predict_step``, run as written for
+        one device on every rank: ``self(x)`` in it is the whole model, run through the forward-only
+        schedule, its outputs on every rank (:meth:`PipelineEngine.forward`), so every rank computes
+        the same metrics; what it logs is logged as one device logs it (``loops.log_options``)."""
+        module = self.lightning_module
+        with precision_context(), self.engine.module_forward(module), logging_as_one_device(module, self.engine.topology):
+            return getattr(module, name)(*args, **kwargs)
 
     def pipeline_predict(self, batch: Any) -> Any:
         """Forward-only pass of ``batch`` through the pipeline; the last stage's outputs
@@ -296,7 +279,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
 
         logs = self.engine.gather_logs()
         for name, (value, kwargs) in logs.items():
-            kwargs = dict(kwargs)
+            kwargs = log_options(self.engine.topology, kwargs)
             kwargs.setdefault("batch_size", batch_size)
             LightningModule.log(self.lightning_module, name, torch.tensor(value, dtype=torch.float64), **kwargs)
         return set(logs)
@@ -398,3 +381,6 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         if found is not None:  # else no process group (yet): the error stays local
             board, me, diagnosis = found
             explain_exception(exception, board, me, where=locate(exception, lightning_hook_of), diagnosis=diagnosis)
+
+
+PipelineStrategy.__init__.__doc__ = arguments_docstring("Pipeline parallelism for the Trainer.", LIGHTNING_ARGUMENTS)

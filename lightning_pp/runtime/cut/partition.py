@@ -155,8 +155,18 @@ def layer_list(module: nn.Module) -> list[nn.Module]:
                 f"{type(module).__name__}.pipeline_layers()[{i}] is a {type(layer).__name__}, not an "
                 f"nn.Module: wrap functions in an nn.Module so the pipeline can place and name them."
             )
-    if len({id(layer) for layer in layers}) != len(layers):
-        raise ValueError(f"{type(module).__name__}.pipeline_layers() lists the same module twice: list each layer once.")
+    positions: dict[int, list[int]] = {}
+    for i, layer in enumerate(layers):
+        positions.setdefault(id(layer), []).append(i)
+    repeated = [(layers[where[0]], where) for where in positions.values() if len(where) > 1]
+    if repeated:
+        names = {id(m): n for n, m in module.named_modules(remove_duplicate=False) if n}
+        layer, where = repeated[0]
+        what = f"{names[id(layer)]!r} ({type(layer).__name__})" if id(layer) in names else f"a {type(layer).__name__}"
+        raise ValueError(
+            f"{type(module).__name__}.pipeline_layers() lists the module {what} {len(where)} times, at positions "
+            f"{', '.join(map(str, where))}: list each layer once. A module that runs more than once in the forward "
+            f"(weights shared between steps of the model) belongs in one layer that calls it each time.")
     return layers
 
 
