@@ -109,7 +109,7 @@ def _on_schedule_change(schedule: str, spec: Any) -> None:
     for module_name, (attr, factory) in _TARGETS.items():
         module = sys.modules.get(module_name)
         registry = getattr(module, attr, None) if module is not None else None
-        if registry is None:
+        if registry is None or factory is None:  # not imported yet, or a connector (no registry)
             continue
         name = f"pp_{schedule}"
         if spec is None:
