@@ -178,6 +178,48 @@ def test_a_trainable_parameter_no_layer_reaches_is_named_at_the_cut():
     assert model.extra is frozen
 
 
+class _ScaledHead(nn.Module):
+    """An adapter made on the fly around the root's bare parameter."""
+
+    def __init__(self, head, scale):
+        super().__init__()
+        self.head, self.scale = head, scale
+
+    def forward(self, x):
+        return self.head(x) * self.scale
+
+
+class _BareScale(_KeptInside):
+    """A bare ``nn.Parameter`` on the root, handed to the last layer's adapter (or, with
+    ``handed=False``, used by no layer)."""
+
+    def __init__(self, handed=True):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.handed = handed
+
+    def pipeline_layers(self):
+        head = _ScaledHead(self.model.head, self.scale) if self.handed else _Adapter(self.model.head)
+        return [self.model.embed, *self.model.blocks, head]
+
+
+def test_a_bare_parameter_no_layer_reaches_is_named_with_how_to_move_it():
+    with pytest.raises(ValueError, match=r"belong to no pipeline layer: scale\..*bare nn.Parameter such as `scale`"
+                                         r".*`self.scale = scale`"):
+        cut_model(_BareScale(handed=False), pp=2, vp=1, pp_rank=0)
+
+
+def test_a_bare_parameter_is_held_only_by_the_rank_of_the_layer_that_uses_it():
+    torch.manual_seed(3)
+    one_device = _BareScale().state_dict()
+    for rank, holds in ((0, False), (1, True)):
+        model = _BareScale()
+        cut_model(model, pp=2, vp=1, pp_rank=rank)
+        assert ("scale" in dict(model.named_parameters())) is holds
+        assert ("scale" in model.state_dict()) is holds
+        model.load_state_dict(one_device)  # strict: rank 0 drops the entry rank 1 loads
+
+
 def test_meta_model_materialises_only_what_the_rank_keeps_with_the_one_device_values():
     from lightning_pp.runtime.cut.meta import materialize
 
