@@ -8,7 +8,8 @@ the last, and a ViT whose ``cls_token``/``pos_embed`` live on the LightningModul
 
 Each of these models sends, at some stage boundary, a tensor that an operation of the sending
 stage saved for its backward (the skip a pooling or a convolution read, the conditioning ``SiLU``
-read): the runtime must not free what autograd still needs (issue 32)."""
+read): the runtime must not free what autograd still needs (issue 32). The models are the ones
+docs/data-flow.md shows."""
 
 from __future__ import annotations
 
@@ -131,10 +132,21 @@ class DiTBlock(nn.Module):
         self.ada = nn.Linear(dim, 3 * dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
-    def forward(self, x, c):
+    def forward(self, x, c):  # as in the DiT reference code: the block returns x only
         shift, scale, gate = self.ada(F.silu(c)).chunk(3, dim=-1)  # SiLU saves c for its backward
         h = self.norm(x) * (1 + scale[:, None]) + shift[:, None]
-        return x + gate[:, None] * self.mlp(h), c
+        return x + gate[:, None] * self.mlp(h)
+
+
+class PassCondition(nn.Module):
+    """The user's adapter, made in pipeline_layers(): the block's output and the condition, on."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, c):
+        return self.block(x, c), c
 
 
 class FinalLayer(nn.Module):
@@ -157,7 +169,7 @@ class DiT(L.LightningModule):
         self.final = FinalLayer()
 
     def pipeline_layers(self):
-        return [self.embed, *self.blocks, self.final]
+        return [self.embed, *(PassCondition(block) for block in self.blocks), self.final]
 
     def pipeline_inputs(self, batch):
         x, y, _ = batch
@@ -166,7 +178,7 @@ class DiT(L.LightningModule):
     def forward(self, x, y):
         x, c = self.embed(x, y)
         for block in self.blocks:
-            x, c = block(x, c)
+            x = block(x, c)
         return self.final(x, c)
 
     def pipeline_loss(self, output, batch):
