@@ -249,3 +249,41 @@ def test_one_device_state_dict_loads_into_a_cut_model_strictly():
     model.load_state_dict(one_device)  # strict: the other rank's keys are absorbed by its placeholders
     for name, value in model.state_dict().items():
         assert torch.equal(value, one_device[name]), name
+
+
+def test_sent_outputs_are_kept_as_autograd_edges_freed_when_nothing_else_holds_them():
+    import gc
+    import weakref
+
+    import torch.nn.functional as F
+
+    from lightning_pp.runtime.plans.weight_grad import engine_backward
+    from lightning_pp.runtime.step.stage import kept_for_backward
+
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).double()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)  # a received input: a leaf
+    ids = torch.arange(4)
+
+    def stage():
+        h = lin(x) + 1.0  # the sum saves nothing: a chain's output
+        c = torch.tanh(lin(x))
+        y = h * F.silu(c)  # SiLU saves c, which is sent on as well
+        return y, c, x, ids  # x passed through unchanged, ids needs no gradient
+
+    outputs = stage()
+    grads = [torch.randn(4, 3, dtype=torch.float64) for _ in range(3)]
+    engine_backward(list(outputs[:3]), grads)  # the reference: a backward from the tensors themselves
+    expected = (x.grad.clone(), lin.weight.grad.clone())
+    x.grad, lin.weight.grad, lin.bias.grad = None, None, None
+
+    outputs = stage()
+    y_ref, c_ref = weakref.ref(outputs[0]), weakref.ref(outputs[1])
+    kept = kept_for_backward(outputs)
+    assert kept[2] is x and kept[3] is None  # a leaf is kept as it is; no gradient, nothing kept
+    del outputs
+    gc.collect()
+    assert y_ref() is None  # nothing but the stash held y: freed once sent
+    assert c_ref() is not None  # SiLU's saved tensor: autograd keeps it, untouched
+    engine_backward([k for k in kept if k is not None and k is not ids], grads)
+    torch.testing.assert_close((x.grad, lin.weight.grad), expected, rtol=0, atol=0)
