@@ -14,6 +14,13 @@ What the figure includes: saved activations, the received and sent stage tensors
 temporaries of forward/backward; not parameters, optimizer state or gradients (resident from the
 warm-up step when the counter is reset).
 
+``--carried`` adds ``ours_carried``: the same sizes, but a model whose blocks take and return
+``(x, c)``, a conditioning tensor ``c`` made by the first layer and read by every block through
+``SiLU(c)`` (as a diffusion transformer's class embedding): the runtime keeps only the autograd edge of
+what a stage sends, so ``c``, which the sending stage's ``SiLU`` saved, stays alive until the backward
+that reads it, as on one device, while the hidden states ``x`` are freed as in the chain. Reported as
+``peak_memory_carried_over_chain`` (ours on this model / ours on the chain).
+
 ``--diagnose-sends`` adds a diagnostic variant, ``ours_sends_waited``: ours with the runtime's
 pending sends waited for (and their buffers dropped) as soon as two newer sends are queued,
 patched into ``PointToPoint._reap_sends`` inside the benchmark's processes. On gloo a send's
@@ -29,6 +36,7 @@ the stage's layers.
 
     python benchmarks/bench_memory.py
     python benchmarks/bench_memory.py --quick
+    python benchmarks/bench_memory.py --quick --carried
 """
 
 from __future__ import annotations
@@ -66,6 +74,73 @@ def _wait_for_sends_early(keep: int = 2) -> None:
     PointToPoint._reap_sends = reap
 
 
+def _carried_model(cfg: dict):
+    """The benchmark's chain with a conditioning tensor carried through every block (``--carried``)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Embed(nn.Module):
+        def __init__(self, hidden: int):
+            super().__init__()
+            self.proj, self.cond = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+        def forward(self, x):
+            return self.proj(x), self.cond(x)
+
+    class ConditionedMLP(nn.Module):
+        def __init__(self, hidden: int, mult: int):
+            super().__init__()
+            self.norm = nn.LayerNorm(hidden)
+            self.up, self.down = nn.Linear(hidden, mult * hidden), nn.Linear(mult * hidden, hidden)
+            self.scale = nn.Linear(hidden, hidden)
+
+        def forward(self, x, c):
+            return x + self.down(F.gelu(self.up(self.norm(x)))) * self.scale(F.silu(c)), c
+
+    class Head(nn.Module):
+        def __init__(self, hidden: int):
+            super().__init__()
+            self.out = nn.Linear(hidden, hidden)
+
+        def forward(self, x, c):
+            return self.out(x)
+
+    class CarriedModel(nn.Module):
+        def __init__(self, hidden: int, blocks: int, mult: int):
+            super().__init__()
+            self.embed = Embed(hidden)
+            self.blocks = nn.ModuleList(ConditionedMLP(hidden, mult) for _ in range(blocks))
+            self.head = Head(hidden)
+
+        def pipeline_layers(self):
+            return [self.embed, *self.blocks, self.head]
+
+        def pipeline_loss(self, output, batch):
+            return F.mse_loss(output, batch[1])
+
+    torch.manual_seed(cfg["seed"])
+    return CarriedModel(cfg["hidden"], cfg["blocks"], cfg["ffn_mult"])
+
+
+class _OursCarried:
+    def __init__(self, cfg: dict, topology):
+        import torch
+        from lightning_pp.runtime import build_pipeline
+
+        # nonfinite="ignore": the code before issue 32 freed c's storage while SiLU still needed it
+        # and its gradients came out non-finite; its memory figure is measured all the same.
+        self.executor = build_pipeline(_carried_model(cfg), pipeline_parallel_size=peer.WORLD_SIZE,
+                                       num_microbatches=cfg["microbatches"], schedule="1f1b", topology=topology,
+                                       nonfinite="ignore")
+        self.opt = torch.optim.SGD([p for c in self.executor.partition.chunks for p in c.parameters()], lr=cfg["lr"])
+
+    def step(self, batch) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.executor.train_step(batch)
+        self.opt.step()
+
+
 def _measure(rank: int, world: int, cfg: dict, impl_name: str) -> dict:
     import torch
 
@@ -74,10 +149,13 @@ def _measure(rank: int, world: int, cfg: dict, impl_name: str) -> dict:
     if impl_name == "ours_sends_waited":
         _wait_for_sends_early()
     topology = build_topology(world)
-    ours = peer._Ours(cfg, "1f1b", topology, activation_checkpointing=impl_name == "ours_checkpointed")
-    impl = ours if impl_name.startswith("ours") else peer._Torch(cfg, "1f1b", ours.layout, rank)
-    if impl is not ours:
-        del ours
+    if impl_name == "ours_carried":
+        impl = _OursCarried(cfg, topology)
+    else:
+        ours = peer._Ours(cfg, "1f1b", topology, activation_checkpointing=impl_name == "ours_checkpointed")
+        impl = ours if impl_name.startswith("ours") else peer._Torch(cfg, "1f1b", ours.layout, rank)
+        if impl is not ours:
+            del ours
     g = torch.Generator().manual_seed(cfg["seed"])
     batch = (torch.randn(cfg["batch"], cfg["hidden"], generator=g), torch.randn(cfg["batch"], cfg["hidden"], generator=g))
     impl.step(batch)  # warm-up: optimizer state, buffers
@@ -127,10 +205,13 @@ def run(args: Any = None) -> dict:
                steps=2 if args.quick else args.steps)
     world = peer.WORLD_SIZE
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
-    names = ["ours", "torch", "ours_checkpointed"] + (["ours_sends_waited"] if getattr(args, "diagnose_sends", False) else [])
+    names = ["ours", "torch", "ours_checkpointed"] + (["ours_sends_waited"] if getattr(args, "diagnose_sends", False) else []) \
+        + (["ours_carried"] if getattr(args, "carried", False) else [])
     measured = {name: [r["peak_added_mb"] for r in launch(_measure, world, cfg, name, timeout=600)] for name in names}
     bound = _activation_bound(cfg, world)
     extra = {}
+    if "ours_carried" in measured:
+        extra["peak_memory_carried_over_chain"] = max(measured["ours_carried"]) / max(measured["ours"])
     if "ours_sends_waited" in measured:
         extra["peak_memory_ratio_vs_torch_sends_waited"] = max(measured["ours_sends_waited"]) / max(measured["torch"])
     return extra | {
@@ -157,6 +238,9 @@ def format_report(res: dict) -> str:
         lines += ["diagnostic, ours with sends waited early (MB per rank): "
                   + " / ".join(f"{v:.2f}" for v in peaks["ours_sends_waited"]),
                   f"peak_memory_ratio_vs_torch_sends_waited: {res['peak_memory_ratio_vs_torch_sends_waited']:.3f}"]
+    if "ours_carried" in peaks:
+        lines += ["ours, carried-tensor model (MB per rank): " + " / ".join(f"{v:.2f}" for v in peaks["ours_carried"]),
+                  f"peak_memory_carried_over_chain: {res['peak_memory_carried_over_chain']:.3f}"]
     return "\n".join(lines)
 
 
@@ -167,6 +251,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--carried", action="store_true",
+                   help="also measure ours on the model with a conditioning tensor carried through every block")
     p.add_argument("--diagnose-sends", dest="diagnose_sends", action="store_true",
                    help="also measure ours with pending sends waited early (a diagnostic patch, see above)")
     return p.parse_args(argv)

@@ -9,7 +9,8 @@ summary lines: ratio_vs_torch_<schedule> for 1f1b, interleaved, zb1p, zb1p_vp2, 
 ratio_best_vs_torch_best, bubble_measured_over_simulated_<schedule> (and ``_calibrated``, with the
 measured transfer cost; ``_per_stage`` and ``_per_stage_calibrated``, with each stage's own costs),
 a2a_hidden_fraction, hf_moe_a2a_hidden_fraction, ratio_vs_torch_moe_combined,
-ratio_vs_torch_moe_dualpipev, peak_memory_ratio_vs_torch, sharded_state_bytes_ratio,
+ratio_vs_torch_moe_dualpipev, peak_memory_ratio_vs_torch (and peak_memory_carried_over_chain),
+sharded_state_bytes_ratio,
 sharded_peak_memory_ratio, sharded_step_ratio, ratio_vs_torch_fsdp_1f1b (and its peak memory),
 reduce_scatter_hidden_fraction, zb_compiled_backward_ratio, monitor_overhead, batch_check_bound,
 rng_streams_bound, schedule_generate_simulate_seconds, and the supporting figures.
@@ -95,8 +96,9 @@ def main(argv=None) -> dict:
              "ratio_vs_torch_moe_dualpipev": "ratio_vs_torch_moe_dualpipev",
              "ratio_moe_dualpipev_vs_torch_1f1b": "ratio_moe_dualpipev_vs_torch_1f1b"})
     section("Peak memory per rank", "bench_memory", argparse.Namespace(
-        hidden=512, batch=256, microbatches=8, steps=4, quick=q, diagnose_sends=True),
+        hidden=512, batch=256, microbatches=8, steps=4, quick=q, diagnose_sends=True, carried=True),
         {"peak_memory_ratio_vs_torch": "peak_memory_ratio_vs_torch",
+         "peak_memory_carried_over_chain": "peak_memory_carried_over_chain",
          "peak_memory_ratio_vs_torch_sends_waited": "peak_memory_ratio_vs_torch_sends_waited",
          "peak_memory_over_1f1b_bound": "peak_memory_over_1f1b_bound",
          "peak_memory_checkpointed_over_plain": "peak_memory_checkpointed_over_plain"})

@@ -178,6 +178,48 @@ def test_a_trainable_parameter_no_layer_reaches_is_named_at_the_cut():
     assert model.extra is frozen
 
 
+class _ScaledHead(nn.Module):
+    """An adapter made on the fly around the root's bare parameter."""
+
+    def __init__(self, head, scale):
+        super().__init__()
+        self.head, self.scale = head, scale
+
+    def forward(self, x):
+        return self.head(x) * self.scale
+
+
+class _BareScale(_KeptInside):
+    """A bare ``nn.Parameter`` on the root, handed to the last layer's adapter (or, with
+    ``handed=False``, used by no layer)."""
+
+    def __init__(self, handed=True):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.handed = handed
+
+    def pipeline_layers(self):
+        head = _ScaledHead(self.model.head, self.scale) if self.handed else _Adapter(self.model.head)
+        return [self.model.embed, *self.model.blocks, head]
+
+
+def test_a_bare_parameter_no_layer_reaches_is_named_with_how_to_move_it():
+    with pytest.raises(ValueError, match=r"belong to no pipeline layer: scale\..*bare nn.Parameter such as `scale`"
+                                         r".*`self.scale = scale`"):
+        cut_model(_BareScale(handed=False), pp=2, vp=1, pp_rank=0)
+
+
+def test_a_bare_parameter_is_held_only_by_the_rank_of_the_layer_that_uses_it():
+    torch.manual_seed(3)
+    one_device = _BareScale().state_dict()
+    for rank, holds in ((0, False), (1, True)):
+        model = _BareScale()
+        cut_model(model, pp=2, vp=1, pp_rank=rank)
+        assert ("scale" in dict(model.named_parameters())) is holds
+        assert ("scale" in model.state_dict()) is holds
+        model.load_state_dict(one_device)  # strict: rank 0 drops the entry rank 1 loads
+
+
 def test_meta_model_materialises_only_what_the_rank_keeps_with_the_one_device_values():
     from lightning_pp.runtime.cut.meta import materialize
 
@@ -207,3 +249,41 @@ def test_one_device_state_dict_loads_into_a_cut_model_strictly():
     model.load_state_dict(one_device)  # strict: the other rank's keys are absorbed by its placeholders
     for name, value in model.state_dict().items():
         assert torch.equal(value, one_device[name]), name
+
+
+def test_sent_outputs_are_kept_as_autograd_edges_freed_when_nothing_else_holds_them():
+    import gc
+    import weakref
+
+    import torch.nn.functional as F
+
+    from lightning_pp.runtime.plans.weight_grad import engine_backward
+    from lightning_pp.runtime.step.stage import kept_for_backward
+
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).double()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)  # a received input: a leaf
+    ids = torch.arange(4)
+
+    def stage():
+        h = lin(x) + 1.0  # the sum saves nothing: a chain's output
+        c = torch.tanh(lin(x))
+        y = h * F.silu(c)  # SiLU saves c, which is sent on as well
+        return y, c, x, ids  # x passed through unchanged, ids needs no gradient
+
+    outputs = stage()
+    grads = [torch.randn(4, 3, dtype=torch.float64) for _ in range(3)]
+    engine_backward(list(outputs[:3]), grads)  # the reference: a backward from the tensors themselves
+    expected = (x.grad.clone(), lin.weight.grad.clone())
+    x.grad, lin.weight.grad, lin.bias.grad = None, None, None
+
+    outputs = stage()
+    y_ref, c_ref = weakref.ref(outputs[0]), weakref.ref(outputs[1])
+    kept = kept_for_backward(outputs)
+    assert kept[2] is x and kept[3] is None  # a leaf is kept as it is; no gradient, nothing kept
+    del outputs
+    gc.collect()
+    assert y_ref() is None  # nothing but the stash held y: freed once sent
+    assert c_ref() is not None  # SiLU's saved tensor: autograd keeps it, untouched
+    engine_backward([k for k in kept if k is not None and k is not ids], grads)
+    torch.testing.assert_close((x.grad, lin.weight.grad), expected, rtol=0, atol=0)

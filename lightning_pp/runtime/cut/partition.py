@@ -221,6 +221,7 @@ def _check_layers(module: nn.Module, layers: list[nn.Module], names: dict[int, s
         reached.update(id(p) for p in layer.parameters())
     orphans = [name for pid, name in names.items() if pid not in reached and _requires_grad(module, name)]
     if orphans:
+        bare = [name for name in orphans if _is_bare(module, name, layers)]
         raise ValueError(
             f"{len(orphans)} trainable parameter(s) of {type(module).__name__} belong to no pipeline layer: "
             f"{', '.join(orphans[:6])}{', ...' if len(orphans) > 6 else ''}. Every trainable parameter must be "
@@ -228,7 +229,25 @@ def _check_layers(module: nn.Module, layers: list[nn.Module], names: dict[int, s
             f"and saves it (otherwise every rank would keep an untrained copy). Move the module into a layer "
             f"(e.g. into the last layer if pipeline_loss uses it), delete it if it is unused, or freeze it "
             f"(requires_grad_(False)); frozen parameters outside the layers stay on every rank."
+            + (_BARE_PARAMETER_FIX.format(name=bare[0], attr=bare[0].rsplit(".", 1)[-1]) if bare else "")
         )
+
+
+_BARE_PARAMETER_FIX = (
+    " A bare nn.Parameter such as `{name}` moves by handing it to the layer that uses it, keeping it "
+    "where it is: give the adapter you return from pipeline_layers() the parameter as an attribute (e.g. "
+    "`Embed(self.patch_embed, self.{attr})` whose __init__ does `self.{attr} = {attr}`); it keeps its "
+    "one-device name `{name}`, and only the stage running that layer holds, trains and saves it "
+    "(see docs/data-flow.md)."
+)
+
+
+def _is_bare(module: nn.Module, name: str, layers: list[nn.Module]) -> bool:
+    """Whether parameter ``name`` is a bare ``nn.Parameter`` next to the layers (registered on the
+    root, or on a module that contains layers), rather than one of a module that could move whole."""
+    holder = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+    inside = {id(sub) for sub in holder.modules()}
+    return holder is module or any(id(layer) in inside for layer in layers)
 
 
 def _tied_parameters(layers: list[nn.Module], layer_rank: list[int], names: dict[int, str]) -> list[TiedParameter]:
@@ -265,6 +284,32 @@ def _remove_other_ranks(module: nn.Module, layers: list[nn.Module], layer_stage:
         for parent, child_name in parents.get(sub_id, ()):
             if id(parent) not in removed:
                 setattr(parent, child_name, placeholder)
+    _remove_bare_parameters(module, layers, own)
+
+
+def _remove_bare_parameters(module: nn.Module, layers: list[nn.Module], own: list[bool]) -> None:
+    """Remove the parameters that only other ranks' layers reach but that are registered on a module
+    this rank keeps: a bare ``nn.Parameter`` of the root (a ViT's ``cls_token``) handed to an adapter
+    made in ``pipeline_layers()``. The rank running that layer holds, trains and saves it; the others
+    drop it from their module (its attribute and state dict entry), so no rank keeps an untrained
+    copy that a consolidated checkpoint could take. A one-device state dict still loads strictly:
+    a pre-hook drops the entries that another rank loads."""
+    here = {id(p) for i, layer in enumerate(layers) if own[i] for p in layer.parameters()}
+    elsewhere = {id(p) for i, layer in enumerate(layers) if not own[i] for p in layer.parameters()} - here
+    for holder in module.modules():
+        names = [name for name, p in holder._parameters.items() if p is not None and id(p) in elsewhere]
+        for name in names:
+            del holder._parameters[name]
+        if names:
+            holder._register_load_state_dict_pre_hook(_drop_named_keys(names))
+
+
+def _drop_named_keys(names: list[str]):
+    def hook(state_dict, prefix, *args) -> None:
+        for name in names:
+            state_dict.pop(prefix + name, None)
+
+    return hook
 
 
 class FrozenStage(nn.Module):

@@ -52,17 +52,25 @@ def engine_backward(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torc
                     inputs: Sequence[torch.Tensor] = (), keep_graph: bool = False):
     """Autograd from ``roots`` through the engine directly, as ``torch.autograd.backward`` does
     after checking its arguments. The runtime's one way into autograd: it runs for every
-    (microbatch, chunk) and every schedule-plan node, so the checks' cost would show, and roots
-    whose storage was released after sending (``stage.release``) pass (shapes are checked against
-    the graph's recorded metadata, which the gradients match). With ``inputs``, returns their
+    (microbatch, chunk) and every schedule-plan node, so the checks' cost would show. A root is a
+    tensor or an autograd edge (``GradientEdge``: what the stage keeps of an output it sent, see
+    ``stage.kept_for_backward``), which the engine takes alike. With ``inputs``, returns their
     gradients instead of accumulating into ``.grad``."""
     return _ENGINE.run_backward(tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, not inputs)
 
 
-def _graph(roots: Sequence[torch.Tensor]) -> dict[Node, list[Node]]:
+def _root_edge(root) -> tuple[Optional[Node], int]:
+    """(node, output number) a root's gradient enters: a tensor's ``grad_fn`` (``None`` for a
+    leaf), or an autograd edge's own."""
+    if isinstance(root, GradientEdge):
+        return root.node, root.output_nr
+    return root.grad_fn, root.output_nr
+
+
+def _graph(roots: Sequence) -> dict[Node, list[Node]]:
     """Every node reachable from ``roots``, with the nodes that feed it a gradient (its parents)."""
     parents: dict[Node, list[Node]] = {}
-    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
+    stack = [node for node, _ in map(_root_edge, roots) if node is not None]
     for node in stack:
         parents.setdefault(node, [])
     while stack:
@@ -138,8 +146,9 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch
     # it is a starting point of its own, seeded with its gradient.
     root_seeds: dict[Node, list] = {}
     for r, g in zip(roots, grads):
-        if r.grad_fn is not None and r.grad_fn not in input_path and g is not None:
-            root_seeds.setdefault(r.grad_fn, []).append((r.output_nr, g))
+        node, output_nr = _root_edge(r)
+        if node is not None and node not in input_path and g is not None:
+            root_seeds.setdefault(node, []).append((output_nr, g))
     groups = _param_groups([p for p in params if p.requires_grad], parents, input_path | set(root_seeds))
     captured: dict[Node, tuple] = {}
     hooks = []

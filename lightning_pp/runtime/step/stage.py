@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from lightning_pp.runtime.plans.context import microbatch_context
 from lightning_pp.runtime.failure.errors import PipelineCommError
@@ -34,7 +35,9 @@ class Stash(NamedTuple):
     """What a forward keeps for its backward."""
 
     received: tuple[torch.Tensor, ...]  # the stage's received inputs (their .grad are the input gradients)
-    outputs: tuple[torch.Tensor, ...]  # the outputs sent on, or (loss_sum,) on the last stage
+    # The outputs sent on (as :func:`kept_for_backward` keeps them when no plan runs the chunk), or
+    # (loss_sum,) on the last stage.
+    outputs: tuple[Any, ...]
     is_loss: bool
     plan: Any  # the schedule plan (combined 1F1B), else None
     detached: Any  # last stage with a plan: the detached outputs the loss was computed from
@@ -241,9 +244,8 @@ class StageRunner:
         )
         self._deliver(state, stage + 1, Message("F", microbatch, stage + 1), tensors, as_tuple)
         if state.train:
-            if plan is None and self.owner_of(stage + 1)[0] != self.pp_rank:
-                release(tensors)
-            state.saved[(microbatch, chunk_id)] = Stash(received, tensors, False, plan, None)
+            kept = tensors if plan is not None else kept_for_backward(tensors)  # a plan holds its own outputs
+            state.saved[(microbatch, chunk_id)] = Stash(received, kept, False, plan, None)
 
     def _output_grads(self, state: StepState, microbatch: int, chunk_id: int):
         """Pop the stash of a forward and get the gradients of its outputs: from the loss on the
@@ -258,7 +260,7 @@ class StageRunner:
                 return received, plan, None, tuple(t.grad if t.requires_grad else None for t in leaves)
             return received, None, roots, grads
         out_grads, _ = self._receive(state, stage + 1, Message("B", microbatch, stage))
-        needing = [t for t in outputs if t.requires_grad]
+        needing = [t for t in outputs if needs_grad(t)]
         if len(needing) != len(out_grads):
             raise PipelineCommError(
                 f"{self.describe()}: stage {stage} produced {len(needing)} outputs that need a "
@@ -267,7 +269,7 @@ class StageRunner:
         grads = [None if is_no_grad(g) else g for g in out_grads]
         if plan is not None:
             it = iter(grads)
-            return received, plan, None, tuple(next(it) if t.requires_grad else None for t in outputs)
+            return received, plan, None, tuple(next(it) if needs_grad(t) else None for t in outputs)
         pairs = [(t, g) for t, g in zip(needing, grads) if g is not None]
         return received, None, [t for t, _ in pairs], [g for _, g in pairs]
 
@@ -292,12 +294,27 @@ def as_tensors(value: Any, where: str) -> tuple[tuple[torch.Tensor, ...], bool]:
 
 
 
-def release(tensors: tuple[torch.Tensor, ...]) -> None:
-    """Drop the storage of sent stage outputs; backward only needs their ``grad_fn``. The send
-    holds its own reference to the storage until it completes."""
-    for t in tensors:
-        if t.requires_grad and t._base is None and t.grad_fn is not None:
-            t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+def kept_for_backward(tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    """What the stash keeps of sent stage outputs for their backward: the autograd edge of each
+    output computed in the stage (``get_gradient_edge``: the node and output number the incoming
+    gradient enters), ``None`` for an output that needs no gradient, and the tensor itself only for
+    a leaf (a received input or a parameter passed through, which the stage holds anyway).
+
+    The runtime thus holds no reference to a computed output's storage once its send completes, so
+    the storage is freed exactly when nothing else holds it: on a chain (the output feeds no
+    operation of its own stage) right after the send, as the ``.data`` swap this replaces did. An
+    output that an operation of the stage saved for its backward (a conditioning tensor returned
+    with ``(x, c)`` after ``SiLU(c)``, a skip ``(h, h)`` that a pooling saved, a checkpointed
+    layer's input kept for recomputation, a compiled graph's saved activations) stays alive through
+    autograd's own reference, untouched: the user's tensors are never mutated."""
+    return tuple(
+        None if not t.requires_grad else t if t.grad_fn is None else get_gradient_edge(t) for t in tensors
+    )
+
+
+def needs_grad(kept: Any) -> bool:
+    """Whether a stashed output (a tensor, an autograd edge or ``None``) takes a gradient."""
+    return isinstance(kept, GradientEdge) or (isinstance(kept, torch.Tensor) and kept.requires_grad)
 
 
 def no_grad_marker(t: torch.Tensor) -> torch.Tensor:
