@@ -1,5 +1,5 @@
 """Hugging Face transformers causal LMs pipelined from their own plans
-(``lightning_pp.integrations.hf``): twelve families, tied and untied embeddings, sliding-window
+(``lightning_pp.integrations.hf``): fourteen families, tied and untied embeddings, sliding-window
 layers, left-padded batches, under 1F1B and interleaved 1F1B at pp=2, equal to the same HF model
 trained on one device (float64, 1e-9: losses and every parameter by its HF name); a local checkpoint
 read per rank and written back; the README.md and docs/integrations.md example. Tiny random-weight
@@ -34,6 +34,11 @@ FAMILIES = {  # name: (config class, model class, what the family adds)
     # attention sinks, sliding windows, a router named router, transposed experts with biases and their own gate
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=4,
                                                           sliding_window=3)),
+    # an embedding multiplier and a logits scaling in the model's forward, outside the planned modules
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                            logits_scaling=8.0, attention_multiplier=0.25)),
+    # a head the plan does not name on every release (embed_out), a dropout planned between embedding and layers
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
 }
 STEPS = 3
 
