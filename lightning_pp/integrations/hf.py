@@ -1,8 +1,10 @@
 """Hugging Face ``transformers`` causal LMs pipelined from their own pipeline plans.
 
 transformers says how its models cut: the configuration's ``base_model_pp_plan`` (the base model's
-``embed_tokens``, ``layers`` and ``norm``, with their inputs and outputs) and the model class's
-``_pp_plan`` (``lm_head``). This module reads them and gives the three protocol methods::
+``embed_tokens``, ``layers`` and ``norm``, with their inputs and outputs; modules planned between the
+embedding and the layers, such as GPT-NeoX's ``emb_dropout``, run after the embedding), and the head
+is the model's own ``get_output_embeddings()`` (``lm_head``; GPT-NeoX's ``embed_out``, which not
+every release's ``_pp_plan`` names). This module reads them and gives the three protocol methods::
 
     from transformers import AutoModelForCausalLM
     from lightning_pp.integrations import hf
@@ -31,9 +33,18 @@ from the base model's ``rotary_emb``, the mask from ``transformers.masking_utils
 ``-100``; the loss is HF's (labels shifted by one, ``-100`` ignored), returned as ``(sum, count)``
 so the pipeline divides by the whole batch's token count.
 
-A model without plans, or whose own forward computes something the plans do not name (checked at
-the first ``pipeline_layers`` call: the adapters' logits must equal the model's on a small batch),
-is an error naming the class and what differs, with how to write the three methods by hand.
+What the forwards compute between the planned modules is applied as they apply it: Gemma's
+embedding normaliser, Granite's ``embedding_multiplier`` and ``logits_scaling``, Gemma 2's logit
+soft-capping. Any other floating-point number the model's or base model's forward reads
+(``self.x`` or ``self.config.x``; Cohere's ``logit_scale``) is an error naming it. A model without
+plans, or whose own forward computes something else (checked at the first ``pipeline_layers``
+call: the adapters' logits must equal the model's on a small batch), is an error naming the class
+and what differs, with how to write the three methods by hand.
+
+The mask helpers and decoder layers are called with the arguments the installed transformers'
+signatures name (the cache is ``past_key_values``, ``cache`` or ``layer_past`` by release and
+family; ``cache_position`` where it is still named), so the integration follows transformers'
+releases rather than one release's keywords (tested on 5.0.0 and the newest).
 """
 
 from __future__ import annotations
@@ -114,8 +125,10 @@ class _Parts:
         forward = inspect.getsource(type(self.base).forward)
         self.embed_scale = self.config.hidden_size ** 0.5 if "normalizer" in forward else None
         self.embed_multiplier = getattr(self.base, "embedding_multiplier", None) if "embedding_multiplier" in forward else None
-        self.softcap = getattr(self.config, "final_logit_softcapping", None)
-        self.logits_scaling = getattr(self.config, "logits_scaling", None)
+        head_forward = inspect.getsource(type(model).forward)
+        self.softcap = getattr(self.config, "final_logit_softcapping", None) if "final_logit_softcapping" in head_forward \
+            else None
+        self.logits_scaling = getattr(self.config, "logits_scaling", None) if "logits_scaling" in head_forward else None
         unknown = unknown_scalars(model) + unknown_scalars(self.base)
         if unknown:
             raise ValueError(f"{name}'s forward uses {', '.join(unknown)}, which this integration does not reproduce "
