@@ -74,10 +74,10 @@ class HFPipe(nn.Module):
         return hf.pipeline_loss(logits, batch)
 
 
-# Right padding for these: on transformers 5.24, Gemma 2's eager attention (the only one with its
-# soft-capping) gives NaN for a query that may attend to nothing, as a left-padded row's padding
-# positions are, and the NaN reaches every gradient through the backward: HF's own model on one
-# device is then not finite either (5.0 to 5.3 gave those rows finite values).
+# Right padding for these: on recent transformers (seen on 5.23 and 5.24), Gemma 2's eager attention
+# (the only one with its soft-capping) gives NaN for a query that may attend to nothing, as a
+# left-padded row's padding positions are, and the NaN reaches every gradient through the backward:
+# HF's own model on one device is then not finite either (5.0 to 5.3 gave those rows finite values).
 RIGHT_PADDED = {"gemma2"}
 
 

@@ -112,6 +112,13 @@ class _Parts:
                 f"use lightning_pp.moe's MoE layers, whose router loss is per layer and microbatch (docs/moe.md).")
         at = lists[0]
         self.embed = getattr(self.base, names[0])
+        # Tied embeddings tied as on one device: transformers 5.0 builds a model on the meta device
+        # (from_config under torch.device("meta"), as LitHF does) with its head untied, and ties it
+        # only when loading weights; a pipeline would then train two matrices where HF trains one.
+        weight = getattr(self.head, "weight", None)
+        if (getattr(self.config, "tie_word_embeddings", False) and isinstance(weight, nn.Parameter)
+                and weight is not getattr(self.embed, "weight", None)):
+            model.tie_weights()
         self.pre = [getattr(self.base, n) for n in names[1:at]]  # e.g. GPT-NeoX's emb_dropout
         self.layers = getattr(self.base, names[at])
         self.post = [getattr(self.base, n) for n in names[at + 1:]]  # the final norm
