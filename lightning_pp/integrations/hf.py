@@ -74,6 +74,9 @@ __all__ = ["HFDecoderLayer", "HFEmbedding", "HFHead", "HFMoEDecoderLayer", "LitH
 
 IGNORE_INDEX = -100
 CACHE_NAMES = ("past_key_values", "past_key_value", "cache", "layer_past")  # what transformers releases call a forward's KV cache
+# What a decoder layer is given even where its forward names it only through **kwargs (the rest,
+# cache arguments included, only where named).
+CORE_NAMES = ("attention_mask", "position_ids", "position_embeddings")
 HOW_BY_HAND = (
     "Write the three methods by hand instead: pipeline_layers() returning an embedding adapter, one adapter "
     "per decoder layer (computing the rotary embeddings and the mask the layer needs) and a norm + head "
@@ -158,7 +161,8 @@ class _Parts:
             values["position_embeddings"] = self.rotary(hidden, position_ids, layer_type)
         elif self.rotary is not None:
             values["position_embeddings"] = self.rotary(hidden, position_ids)
-        return {name: value for name, value in values.items() if name in accepts}
+        core = CORE_NAMES if "**" in accepts else ()  # what a layer taking **kwargs still needs
+        return {name: value for name, value in values.items() if name in accepts or name in core}
 
     @staticmethod
     def accepted(fn) -> frozenset:
@@ -203,9 +207,10 @@ def unknown_scalars(module: nn.Module) -> list[str]:
 
 
 def accepted(fn) -> frozenset:
-    """The keyword arguments ``fn`` names (not those a ``**kwargs`` would swallow)."""
-    return frozenset(name for name, p in inspect.signature(fn).parameters.items()
-                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    """The keyword arguments ``fn`` names, and ``"**"`` if it takes ``**kwargs``."""
+    parameters = inspect.signature(fn).parameters.values()
+    return frozenset([p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+                     + ["**" for p in parameters if p.kind == p.VAR_KEYWORD])
 
 
 def call_with(fn, values: dict) -> Any:
