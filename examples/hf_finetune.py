@@ -28,8 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_pp  # noqa: F401  (registers pp_1f1b & co.)
 from lightning_pp.integrations.hf import LitHF
-from litgpt_finetune import stdlib_bytes  # the two halves of the corpus (examples/ is on sys.path when run)
-from train_moe_gpt import Windows
+from train_moe_gpt import Windows, stdlib_bytes  # the two halves of the corpus (examples/ is on sys.path when run)
 
 
 class TokenDicts(Dataset):

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import sys
-import sysconfig
-import zlib
 from pathlib import Path
 
 import lightning as L
@@ -28,13 +26,7 @@ from torch.utils.data import DataLoader
 
 import lightning_pp  # noqa: F401  (registers pp_1f1b & co.)
 from lightning_pp.integrations.litgpt import LitGPT
-from train_moe_gpt import Windows  # byte windows of a corpus (examples/ is on sys.path when run)
-
-
-def stdlib_bytes(part: int) -> bytes:
-    """Half ``part`` (0 or 1) of the standard library's top-level sources, split by file name."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    return b"\n".join(p.read_bytes() for p in files if zlib.crc32(p.name.encode()) % 2 == part)[:3_000_000]
+from train_moe_gpt import Windows, stdlib_bytes  # byte windows of a corpus (examples/ is on sys.path when run)
 
 
 class StdlibText(L.LightningDataModule):

@@ -40,6 +40,13 @@ VOCAB = 256  # bytes
 
 
 # -- data ------------------------------------------------------------------------------------
+def stdlib_bytes(part: int) -> bytes:
+    """Half ``part`` (0 or 1) of the standard library's top-level sources, split by file name
+    (the litgpt and Hugging Face fine-tuning examples' corpora)."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    return b"\n".join(p.read_bytes() for p in files if zlib.crc32(p.name.encode()) % 2 == part)[:3_000_000]
+
+
 def stdlib_corpus(max_bytes: int = 4_000_000) -> tuple[bytes, bytes]:
     """(train, val) bytes of the standard library's top-level .py files; every 20th file (by a
     hash of its name) is validation. Deterministic on every machine with the same Python."""

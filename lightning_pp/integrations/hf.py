@@ -1,8 +1,10 @@
 """Hugging Face ``transformers`` causal LMs pipelined from their own pipeline plans.
 
 transformers says how its models cut: the configuration's ``base_model_pp_plan`` (the base model's
-``embed_tokens``, ``layers`` and ``norm``, with their inputs and outputs) and the model class's
-``_pp_plan`` (``lm_head``). This module reads them and gives the three protocol methods::
+``embed_tokens``, ``layers`` and ``norm``, with their inputs and outputs; modules planned between the
+embedding and the layers, such as GPT-NeoX's ``emb_dropout``, run after the embedding), and the head
+is the model's own ``get_output_embeddings()`` (``lm_head``; GPT-NeoX's ``embed_out``, which not
+every release's ``_pp_plan`` names). This module reads them and gives the three protocol methods::
 
     from transformers import AutoModelForCausalLM
     from lightning_pp.integrations import hf
@@ -31,14 +33,24 @@ from the base model's ``rotary_emb``, the mask from ``transformers.masking_utils
 ``-100``; the loss is HF's (labels shifted by one, ``-100`` ignored), returned as ``(sum, count)``
 so the pipeline divides by the whole batch's token count.
 
-A model without plans, or whose own forward computes something the plans do not name (checked at
-the first ``pipeline_layers`` call: the adapters' logits must equal the model's on a small batch),
-is an error naming the class and what differs, with how to write the three methods by hand.
+What the forwards compute between the planned modules is applied as they apply it: Gemma's
+embedding normaliser, Granite's ``embedding_multiplier`` and ``logits_scaling``, Gemma 2's logit
+soft-capping. Any other floating-point number the model's or base model's forward reads
+(``self.x`` or ``self.config.x``; Cohere's ``logit_scale``) is an error naming it. A model without
+plans, or whose own forward computes something else (checked at the first ``pipeline_layers``
+call: the adapters' logits must equal the model's on a small batch), is an error naming the class
+and what differs, with how to write the three methods by hand.
+
+The mask helpers and decoder layers are called with the arguments the installed transformers'
+signatures name (the cache is ``past_key_values``, ``cache`` or ``layer_past`` by release and
+family; ``cache_position`` where it is still named), so the integration follows transformers'
+releases rather than one release's keywords (tested on 5.0.0 and the newest).
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any, Optional
 
 import lightning as L
@@ -61,6 +73,10 @@ __all__ = ["HFDecoderLayer", "HFEmbedding", "HFHead", "HFMoEDecoderLayer", "LitH
            "load_pretrained", "pipeline_inputs", "pipeline_layers", "pipeline_loss", "save_pretrained"]
 
 IGNORE_INDEX = -100
+CACHE_NAMES = ("past_key_values", "past_key_value", "cache", "layer_past")  # what transformers releases call a forward's KV cache
+# What a decoder layer is given even where its forward names it only through **kwargs (the rest,
+# cache arguments included, only where named).
+CORE_NAMES = ("attention_mask", "position_ids", "position_embeddings")
 HOW_BY_HAND = (
     "Write the three methods by hand instead: pipeline_layers() returning an embedding adapter, one adapter "
     "per decoder layer (computing the rotary embeddings and the mask the layer needs) and a norm + head "
@@ -75,15 +91,20 @@ class _Parts:
         prefix = getattr(model, "base_model_prefix", "model")
         self.base = getattr(model, prefix, None)
         plan = getattr(self.config, "base_model_pp_plan", None)
-        head_plan = getattr(type(model), "_pp_plan", None) or {}
         name = type(model).__name__
-        if self.base is None or not plan or "lm_head" not in head_plan:
-            missing = "base_model_pp_plan in its config" if not plan else "_pp_plan with lm_head on its class"
+        # The head: the model's own output embedding (``lm_head``; GPT-NeoX's ``embed_out``, which
+        # some releases' ``_pp_plan`` do not name), whatever its plan calls it.
+        getter = getattr(model, "get_output_embeddings", None)
+        self.head = getter() if getter is not None else None
+        if self.base is None or not plan or not isinstance(self.head, nn.Module):
+            missing = "base_model_pp_plan in its config" if not plan else "output embeddings (get_output_embeddings())"
             raise ValueError(f"{name} cannot be pipelined from its plans: it has no {missing}. {HOW_BY_HAND}")
         names = list(plan)
-        if len(names) != 3 or plan[names[0]][0] != ["input_ids"]:
-            raise ValueError(f"{name}'s base_model_pp_plan {plan} is not an embedding, a layer list and a norm, "
-                             f"which is what this integration drives. {HOW_BY_HAND}")
+        lists = [i for i, n in enumerate(names) if isinstance(getattr(self.base, n, None), nn.ModuleList)]
+        if (plan[names[0]][0] != ["input_ids"] or len(lists) != 1 or lists[0] == 0
+                or not all(isinstance(getattr(self.base, n, None), nn.Module) for n in names)):
+            raise ValueError(f"{name}'s base_model_pp_plan {plan} is not an embedding, a layer list and the modules "
+                             f"around it, which is what this integration drives. {HOW_BY_HAND}")
         if getattr(self.config, "output_router_logits", False):
             raise ValueError(
                 f"{name} has config.output_router_logits=True: HF adds the routers' load-balancing loss, "
@@ -92,20 +113,36 @@ class _Parts:
                 f"backward of the first microbatch starts before the other microbatches' routers have run. "
                 f"The pipeline does not add it. Set config.output_router_logits=False (HF's default), or "
                 f"use lightning_pp.moe's MoE layers, whose router loss is per layer and microbatch (docs/moe.md).")
+        at = lists[0]
         self.embed = getattr(self.base, names[0])
-        self.layers = getattr(self.base, names[1])
-        self.norm = getattr(self.base, names[2])
-        self.head = model.lm_head
+        # Tied embeddings tied as on one device: transformers 5.0 builds a model on the meta device
+        # (from_config under torch.device("meta"), as LitHF does) with its head untied, and ties it
+        # only when loading weights; a pipeline would then train two matrices where HF trains one.
+        weight = getattr(self.head, "weight", None)
+        if (getattr(self.config, "tie_word_embeddings", False) and isinstance(weight, nn.Parameter)
+                and weight is not getattr(self.embed, "weight", None)):
+            model.tie_weights()
+        self.pre = [getattr(self.base, n) for n in names[1:at]]  # e.g. GPT-NeoX's emb_dropout
+        self.layers = getattr(self.base, names[at])
+        self.post = [getattr(self.base, n) for n in names[at + 1:]]  # the final norm
         self.rotary = getattr(self.base, "rotary_emb", None)
-        if not isinstance(self.layers, nn.ModuleList):
-            raise ValueError(f"{name}.{prefix}.{names[1]} is a {type(self.layers).__name__}, not the ModuleList of "
-                             f"decoder layers the plan names. {HOW_BY_HAND}")
-        # What the base model's forward does between the plan's modules, read from its own code and
+        # What the model's forward does between the plan's modules, read from its own code and
         # config: the embedding scaled by sqrt(hidden size) (Gemma 1 and 2 do it in forward, Gemma 3
-        # in its embedding module), logits soft-capped, rotary embeddings chosen per layer type.
+        # in its embedding module) or by embedding_multiplier (Granite), logits divided by
+        # logits_scaling (Granite) or soft-capped (Gemma 2), rotary embeddings chosen per layer type.
+        # Any other number the forwards read (a scale this integration does not know) refuses the
+        # model by name (unknown_scalars), so nothing is silently left out.
         forward = inspect.getsource(type(self.base).forward)
         self.embed_scale = self.config.hidden_size ** 0.5 if "normalizer" in forward else None
-        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.embed_multiplier = getattr(self.base, "embedding_multiplier", None) if "embedding_multiplier" in forward else None
+        head_forward = inspect.getsource(type(model).forward)
+        self.softcap = getattr(self.config, "final_logit_softcapping", None) if "final_logit_softcapping" in head_forward \
+            else None
+        self.logits_scaling = getattr(self.config, "logits_scaling", None) if "logits_scaling" in head_forward else None
+        unknown = unknown_scalars(model) + unknown_scalars(self.base)
+        if unknown:
+            raise ValueError(f"{name}'s forward uses {', '.join(unknown)}, which this integration does not reproduce "
+                             f"between the planned modules: the pipeline would compute another model. {HOW_BY_HAND}")
         self.rotary_by_type = self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         types = getattr(self.config, "layer_types", None)
         default = "sliding_attention" if getattr(self.config, "sliding_window", None) is not None and not types \
@@ -114,29 +151,80 @@ class _Parts:
                            for i, layer in enumerate(self.layers)]
 
     def layer_kwargs(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                     layer_type: str) -> dict:
-        """What the base model's forward passes a decoder layer of ``layer_type``."""
-        masks = self.masks(hidden, attention_mask, position_ids)
-        kwargs: dict[str, Any] = dict(attention_mask=masks[layer_type],
-                                      position_ids=position_ids, past_key_values=None, use_cache=False,
-                                      cache_position=torch.arange(hidden.shape[1], device=hidden.device))
+                     layer_type: str, accepts: frozenset) -> dict:
+        """What the base model's forward passes a decoder layer of ``layer_type`` whose forward
+        names ``accepts`` (each release of transformers names its own: ``past_key_values`` or
+        ``cache``, with or without ``cache_position``)."""
+        values = self.step_values(hidden, attention_mask, position_ids)
+        values["attention_mask"] = self.masks(hidden, attention_mask, position_ids)[layer_type]
         if self.rotary_by_type:
-            kwargs["position_embeddings"] = self.rotary(hidden, position_ids, layer_type)
+            values["position_embeddings"] = self.rotary(hidden, position_ids, layer_type)
         elif self.rotary is not None:
-            kwargs["position_embeddings"] = self.rotary(hidden, position_ids)
-        return kwargs
+            values["position_embeddings"] = self.rotary(hidden, position_ids)
+        core = CORE_NAMES if "**" in accepts else ()  # what a layer taking **kwargs still needs
+        return {name: value for name, value in values.items() if name in accepts or name in core}
+
+    @staticmethod
+    def accepted(fn) -> frozenset:
+        return accepted(fn)
+
+    @staticmethod
+    def step_values(hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """The arguments of a training forward (no cache), under every name transformers has used."""
+        values: dict[str, Any] = dict(inputs_embeds=hidden, input_embeds=hidden, attention_mask=attention_mask,
+                                      position_ids=position_ids, use_cache=False, output_attentions=False,
+                                      cache_position=torch.arange(hidden.shape[1], device=hidden.device))
+        values.update(dict.fromkeys(CACHE_NAMES))
+        return values
 
     def masks(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """The attention mask of every layer type, as the base model builds them for a forward."""
-        cache_position = torch.arange(hidden.shape[1], device=hidden.device)
-        args = dict(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                    cache_position=cache_position, past_key_values=None, position_ids=position_ids)
+        values = self.step_values(hidden, attention_mask, position_ids)
+        values["config"] = self.config
         out = {}
         if "full_attention" in self.layer_type:
-            out["full_attention"] = masking_utils.create_causal_mask(**args)
+            out["full_attention"] = call_with(masking_utils.create_causal_mask, values)
         if "sliding_attention" in self.layer_type:
-            out["sliding_attention"] = masking_utils.create_sliding_window_causal_mask(**args)
+            out["sliding_attention"] = call_with(masking_utils.create_sliding_window_causal_mask, values)
         return out
+
+
+# Numbers a model's forward may read besides its modules' own: those the adapters apply (above),
+# and the router loss's weight (that loss is refused: output_router_logits).
+KNOWN_SCALARS = frozenset({"embedding_multiplier", "logits_scaling", "final_logit_softcapping", "router_aux_loss_coef"})
+
+
+def unknown_scalars(module: nn.Module) -> list[str]:
+    """The floating-point numbers ``module``'s forward reads from itself or its config
+    (``self.x``, ``self.config.x``) that the adapters do not apply, as ``"config.x=value"``."""
+    source = inspect.getsource(type(module).forward)
+    found = []
+    for owner, attr in sorted(set(re.findall(r"self\.(config\.)?(\w+)", source))):
+        value = getattr(module.config if owner else module, attr, None)
+        if isinstance(value, float) and attr not in KNOWN_SCALARS:
+            found.append(f"{'config.' if owner else 'self.'}{attr}={value}")
+    return found
+
+
+def accepted(fn) -> frozenset:
+    """The keyword arguments ``fn`` names, and ``"**"`` if it takes ``**kwargs``."""
+    parameters = inspect.signature(fn).parameters.values()
+    return frozenset([p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+                     + ["**" for p in parameters if p.kind == p.VAR_KEYWORD])
+
+
+def call_with(fn, values: dict) -> Any:
+    """``fn`` called with those of ``values`` its signature names; a required argument without a
+    value is an error naming it and the installed transformers (a release this integration does not
+    know yet)."""
+    kwargs = {}
+    for name, p in inspect.signature(fn).parameters.items():
+        if name in values and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            kwargs[name] = values[name]
+        elif p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            raise TypeError(f"{fn.__module__}.{fn.__qualname__} of transformers {transformers.__version__} requires "
+                            f"{name!r}, which lightning_pp.integrations.hf does not know how to give. {HOW_BY_HAND}")
+    return fn(**kwargs)
 
 
 class HFEmbedding(nn.Module):
@@ -147,11 +235,16 @@ class HFEmbedding(nn.Module):
         super().__init__()
         self.__dict__["parts"] = parts  # not a child: it refers to every module of the model
         self.embed = parts.embed
+        self.pre = nn.ModuleList(parts.pre)
 
     def forward(self, input_ids, attention_mask, position_ids):
         hidden = self.embed(input_ids)
         if self.parts.embed_scale is not None:  # in the hidden dtype, as the model rounds it
             hidden = hidden * torch.tensor(self.parts.embed_scale, dtype=hidden.dtype)
+        if self.parts.embed_multiplier is not None:
+            hidden = hidden * self.parts.embed_multiplier
+        for module in self.pre:
+            hidden = module(hidden)
         return hidden, attention_mask, position_ids
 
 
@@ -163,22 +256,29 @@ class HFDecoderLayer(nn.Module):
         self.__dict__["parts"] = parts
         self.layer = layer
         self.layer_type = parts.layer_type[index]
+        self.accepts = parts.accepted(layer.forward)
 
     def forward(self, hidden, attention_mask, position_ids):
-        out = self.layer(hidden, **self.parts.layer_kwargs(hidden, attention_mask, position_ids, self.layer_type))
+        kwargs = self.parts.layer_kwargs(hidden, attention_mask, position_ids, self.layer_type, self.accepts)
+        out = self.layer(hidden, **kwargs)
         return (out[0] if isinstance(out, tuple) else out), attention_mask, position_ids
 
 
 class HFHead(nn.Module):
-    """The plan's final norm and the model's ``lm_head``: hidden states to logits."""
+    """The plan's modules after the decoder layers (the final norm) and the model's output
+    embedding (``lm_head``): hidden states to logits."""
 
     def __init__(self, parts: _Parts) -> None:
         super().__init__()
         self.__dict__["parts"] = parts
-        self.norm, self.head = parts.norm, parts.head
+        self.post, self.head = nn.ModuleList(parts.post), parts.head
 
     def forward(self, hidden, attention_mask, position_ids):
-        logits = self.head(self.norm(hidden))
+        for module in self.post:
+            hidden = module(hidden)
+        logits = self.head(hidden)
+        if self.parts.logits_scaling is not None:
+            logits = logits / self.parts.logits_scaling
         if self.parts.softcap is not None:
             logits = torch.tanh(logits / self.parts.softcap) * self.parts.softcap
         return logits

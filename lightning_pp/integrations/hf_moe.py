@@ -107,6 +107,7 @@ class HFMoEDecoderLayer(ExpertParallelMoE):
         self.layer = layer
         self.index = index
         self.layer_type = parts.layer_type[index]
+        self.accepts = parts.accepted(layer.forward)
         # What the MoE block adds besides its routed experts (Qwen2-MoE's gated shared expert).
         self.dense_parts = [child for name, child in layer.mlp.named_children() if name not in (self.router_name, "experts")]
         field = next((f for f in _EXPERT_COUNT_FIELDS if getattr(parts.config, f, None) == experts.num_experts), None)
@@ -128,7 +129,7 @@ class HFMoEDecoderLayer(ExpertParallelMoE):
     def moe_pre(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> MoERouting:
         """The decoder layer up to its MLP, then the MoE block's routing."""
         layer = self.layer
-        kwargs = self.parts.layer_kwargs(hidden, attention_mask, position_ids, self.layer_type)
+        kwargs = self.parts.layer_kwargs(hidden, attention_mask, position_ids, self.layer_type, self.accepts)
         attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), **kwargs)
         hidden = hidden + attended
         normed = layer.post_attention_layernorm(hidden)
