@@ -10,7 +10,7 @@ loads into the sharded model; the trained model saves a directory ``from_pretrai
 model built on the meta device at ep=2 gets the weights a one-device materialisation gives, and
 reads only its rows of a ``save_pretrained`` directory.
 
-The one-device reference is :func:`test_hf.one_device`: the batch cut into 8 microbatches, which
+The one-device reference is :func:`hf_models.one_device`: the batch cut into 8 microbatches, which
 are the pipeline's (4 per data-parallel half, in order), so HF's float32 norms round alike."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from distributed import run_distributed  # noqa: E402
-from test_hf import STEPS, HFFromPretrained, HFPipe, batches, make_hf, one_device  # noqa: E402
+from hf_models import STEPS, HFFromPretrained, HFPipe, batches, make_hf, one_device  # noqa: E402
 
 PP, EP, WORLD = 2, 2, 4
 CASES = [("qwen3_moe", "combined_1f1b", 1), ("qwen3_moe", "combined_1f1b", 2), ("mixtral", "1f1b", 1),

@@ -127,3 +127,16 @@ def test_the_checker_finds_a_cycle_and_an_upward_import():
     # the checker itself: a two-module cycle and a layer violation in a made-up graph
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     assert _layer("lightning_pp.strategies.core") > _layer("lightning_pp.runtime.build")
+
+
+def test_no_test_module_imports_another():
+    """Fixtures live in the helper modules (tests/README.md): a test file importing another test
+    file runs that file's module code in this one's collection and ties the two together."""
+    tests = Path(__file__).resolve().parent
+    offenders = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert offenders == []
