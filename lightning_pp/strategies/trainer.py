@@ -44,6 +44,7 @@ from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
 from lightning_pp.strategies.core import PipelineEngine, PipelineStrategyMixin
 from lightning_pp.strategies.loops import _PipelineAutomaticOptimization, lightning_hook_of, warn_unused_step_methods
+from lightning_pp.strategies.signals import PipelineSignalConnector, PipelineStopped
 
 
 # ``sync_dist_group`` of the values the strategy logs that every rank already holds alike.
@@ -179,6 +180,9 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         # reset_parameters computes in float32) takes the precision's dtype, as on one device.
         self.precision_plugin.convert_module(self.model)
         warn_unused_step_methods(self.lightning_module, trainer.state.fn)
+        if not isinstance(trainer._signal_connector, PipelineSignalConnector):
+            # Signals are acted on between training steps, on every rank alike (signals.py).
+            trainer._signal_connector = PipelineSignalConnector(trainer, self)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             epoch_loop = trainer.fit_loop.epoch_loop
@@ -394,6 +398,8 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     def _explain_exception(self, exception: BaseException) -> None:
         from lightning_pp.runtime.failure.outside_step import explain_exception, locate
 
+        if isinstance(exception, PipelineStopped):
+            return  # every rank stopped alike; the board names the rank that received the signal
         found = self.engine.failure_context(self.global_rank)
         if found is not None:  # else no process group (yet): the error stays local
             board, me, diagnosis = found
