@@ -27,7 +27,11 @@ first. Then, on every rank:
 
 A second SIGINT raises ``KeyboardInterrupt`` at once, for a job that does not reach its next step.
 SIGTERM on the process of Lightning's launcher is passed on to the other local ranks, as Lightning
-does. A signal received during validation is acted on at the next training step.
+does. A signal received during validation is acted on at the next training step; one received in
+the last training step lets the fit finish (its work is done). ``Trainer.validate``, ``test`` and
+``predict`` have no step boundary every rank passes and no state to keep: there SIGTERM and SIGINT
+raise :class:`PipelineStopped` at once, which the failure board passes on to every peer as for any
+failure in a step.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info
 
@@ -117,11 +122,14 @@ class PipelineSignalConnector(_SignalConnector):
                 raise KeyboardInterrupt  # pressed again: the user does not want to wait for the step
             return
         self.pending_stop = signum
-        log.info(rank_prefixed_message(f"Received {signal_name(signum)}: every rank stops before its next "
-                                       f"training step", self.trainer.local_rank))
         launcher = self.trainer.strategy.launcher
         if signum == signal.SIGTERM and launcher is not None:
             launcher.kill(signum)  # the launcher's process passes it on to the ranks it started
+        if self.trainer.state.fn != TrainerFn.FITTING:
+            raise PipelineStopped(f"{self._describe(self.trainer.global_rank)} received {signal_name(signum)} "
+                                  f"during {self.trainer.state.fn.value}")
+        log.info(rank_prefixed_message(f"Received {signal_name(signum)}: every rank stops before its next "
+                                       f"training step", self.trainer.local_rank))
 
     def _on_requeue_signal(self, signum: int, _frame: Any) -> None:
         if self.pending_requeue is None:

@@ -398,9 +398,20 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     def _explain_exception(self, exception: BaseException) -> None:
         from lightning_pp.runtime.failure.outside_step import explain_exception, locate
 
-        if isinstance(exception, PipelineStopped):
-            return  # every rank stopped alike; the board names the rank that received the signal
         found = self.engine.failure_context(self.global_rank)
+        if isinstance(exception, PipelineStopped):
+            # A signal: every rank stopped alike (fit), or this rank was signalled outside a fit. The
+            # first line names the rank and the signal; on the board already, unless raised outside a step.
+            if found is not None:
+                from lightning_pp.runtime.failure.watchdog import current_watchdog
+
+                board = found[0]
+                board.report(str(exception).splitlines()[0])
+                watchdog = current_watchdog()
+                if watchdog is not None:
+                    watchdog.acknowledge(board.read())
+            return
+
         if found is not None:  # else no process group (yet): the error stays local
             board, me, diagnosis = found
             explain_exception(exception, board, me, where=locate(exception, lightning_hook_of), diagnosis=diagnosis)
