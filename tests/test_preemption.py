@@ -150,7 +150,7 @@ def _resume(rank, world, out):
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_distributed(_reference, 2, timeout=120)
+    return run_distributed(_reference, 2, timeout=600)
 
 
 def _differences(params: dict, expected: dict) -> list[str]:
@@ -178,10 +178,13 @@ def run_case(case: str, out: Path, reference: list, rng: random.Random, bound: f
                 os.kill(pid, signal.SIGKILL)
             proc.wait()
     # Resumed whatever the launch's problems (each is recorded), if it left something to resume from.
-    if case == "slurm" and outcome.get("hpc_saved"):
-        _requeue(out, reference, outcome)
-    elif case != "slurm" and "stopped_before_step" in outcome:
-        _resume_from_last(out, reference, outcome)
+    try:
+        if case == "slurm" and outcome.get("hpc_saved"):
+            _requeue(out, reference, outcome)
+        elif case != "slurm" and "stopped_before_step" in outcome:
+            _resume_from_last(out, reference, outcome)
+    except Exception as exc:  # noqa: BLE001 - recorded with the outcome; the next launch goes on
+        outcome["problems"].append(f"resuming failed: {type(exc).__name__}: {str(exc)[:3000]}")
     return outcome
 
 
@@ -232,7 +235,7 @@ def _resume_from_last(out: Path, reference: list, outcome: dict) -> None:
         problems.append(f"{last} is not a complete checkpoint")
         return
     stopped = outcome["stopped_before_step"]
-    results = run_distributed(_resume, 2, str(out), timeout=120)
+    results = run_distributed(_resume, 2, str(out), timeout=600)
     for rank, (start, end, params) in enumerate(results):
         outcome[f"resumed_from_step_rank{rank}"] = start
         if start != job.EVERY * (stopped // job.EVERY):
@@ -310,7 +313,7 @@ def _assert_all_held(outcomes: list[dict]) -> None:
     assert not failed, json.dumps(summary, indent=1) + "\n\n" + "\n\n".join(o.get("log", "") for o in failed)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("case", [*CASES, "slurm"])
 def test_signal_stops_every_rank_and_the_job_resumes_exactly(tmp_path, case, reference):
     _assert_all_held([run_case(case, tmp_path / "run", reference, random.Random(), HANG)])
@@ -363,9 +366,9 @@ def _failed_trials_then_a_fresh_fit(rank, world):
     return seen, job.parameters(model)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(1800)
 def test_failed_fits_on_every_rank_then_a_fresh_fit_in_the_same_processes_equals_that_fit_alone(reference):
-    for rank, (seen, params) in enumerate(run_distributed(_failed_trials_then_a_fresh_fit, 2, timeout=180)):
+    for rank, (seen, params) in enumerate(run_distributed(_failed_trials_then_a_fresh_fit, 2, timeout=600)):
         assert len(seen) == 3, seen  # each trial failed on this rank with its own error
         assert "trial rejected by the user's hook" in seen[0] and seen[1].startswith("NonFiniteError"), seen
         assert "layout=[2, 2] sums to 4 layers" in seen[2], seen

@@ -83,3 +83,11 @@ def warn_unused_step_methods(module: Any, fn: Any) -> None:
             f"post-processing) does not happen. Instead: {_STEP_ADVICE[name]}."
         )
 
+
+def use_pipeline_optimization(trainer) -> None:
+    """Give the fit loop the pipeline's automatic optimization (once), keeping its progress."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not isinstance(epoch_loop.automatic_optimization, _PipelineAutomaticOptimization):
+        replacement = _PipelineAutomaticOptimization(trainer)
+        replacement.optim_progress = epoch_loop.automatic_optimization.optim_progress
+        epoch_loop.automatic_optimization = replacement

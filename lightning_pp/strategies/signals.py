@@ -83,6 +83,12 @@ class PipelineSignalConnector(_SignalConnector):
     """The Trainer's signal connector under :class:`~lightning_pp.PipelineStrategy` (see the module
     docstring). ``received_sigterm`` becomes true on every rank at the same step boundary."""
 
+    @classmethod
+    def install(cls, trainer: Any, strategy: Any) -> None:
+        """Make this the Trainer's connector (before Lightning registers its handlers)."""
+        if not isinstance(trainer._signal_connector, cls):
+            trainer._signal_connector = cls(trainer, strategy)
+
     def __init__(self, trainer: Any, strategy: Any) -> None:
         super().__init__(trainer)
         self.strategy = strategy
@@ -185,6 +191,21 @@ class PipelineSignalConnector(_SignalConnector):
         trainer.save_checkpoint(path)  # rank 0's path is the one every rank writes (checkpoint.save)
         if trainer.is_global_zero:
             requeue_slurm_job()
+
+
+def record_stop(exception: BaseException, board: Any) -> bool:
+    """Whether ``exception``, ending this rank's run, is a :class:`PipelineStopped`. If so its first
+    line (the rank and the signal) goes on the failure board (where a stop outside a step is not
+    yet) and the watchdog is told this rank is raising for it."""
+    if not isinstance(exception, PipelineStopped):
+        return False
+    from lightning_pp.runtime.failure.watchdog import current_watchdog
+
+    board.report(str(exception).splitlines()[0])  # first writer wins: a fit's stop is there already
+    watchdog = current_watchdog()
+    if watchdog is not None:
+        watchdog.acknowledge(board.read())
+    return True
 
 
 def requeue_slurm_job() -> int:
