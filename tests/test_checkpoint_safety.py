@@ -97,7 +97,8 @@ def test_killed_save_keeps_the_previous_checkpoint_and_resume_from_last_uses_it(
     with pytest.raises(DistributedFailure) as info:
         run_distributed(_save_then_die_mid_save, 2, str(tmp_path), timeout=150)
     assert info.value.exitcodes[1] == -9, info.value.exitcodes
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.tmp-")]
+    partial = tmp_path / ".lightning_pp-partial"
+    leftovers = [p.name for p in partial.iterdir() if p.name.startswith("last.ckpt.tmp-")] if partial.is_dir() else []
     assert leftovers, "the interrupted save should have left its temporary directory"
     assert _lightning_last(tmp_path) == ["last.ckpt"]  # the half-written one is not a candidate
 
@@ -114,7 +115,7 @@ def test_killed_save_keeps_the_previous_checkpoint_and_resume_from_last_uses_it(
         assert ("saved with layout pp=2 x vp=1 (layers per virtual stage [4, 4], 8 layers), ep=1, dp=1, "
                 "world size 2") in misfit, misfit
         assert "this run has layout pp=2 x vp=1 (layers per virtual stage [5, 5], 10 layers)" in misfit, misfit
-    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name or "partial" in p.name]
 
 
 # -- the final swap, killed at each instant (single process, forked: no distributed set-up) --------
@@ -173,3 +174,27 @@ def test_a_save_killed_at_the_swap_leaves_a_complete_checkpoint(tmp_path, kill_p
     _save(path, 3)  # the next save restores what it must and removes every leftover
     assert _load(path) == (3, 3.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def _die_before_the_rename(path):
+    from lightning_pp.strategies import checkpoint as ckpt
+
+    ckpt.os.replace = lambda src, dst: os.kill(os.getpid(), signal.SIGKILL)
+    _save(path, 2)
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupted_requeue_save_is_never_taken_for_a_requeue_checkpoint(tmp_path):
+    # Lightning's SLURM requeue saves hpc_ckpt_<n+1>.ckpt, n read from the digits of every name in the
+    # folder containing "hpc_ckpt_", and a requeued fit resumes from hpc_ckpt_<n>.ckpt. A save killed
+    # before its rename must not add a name to that count.
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    _save(tmp_path / "hpc_ckpt_1.ckpt", 1)
+    child = mp.get_context("fork").Process(target=_die_before_the_rename, args=(tmp_path / "hpc_ckpt_2.ckpt",))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    assert list((tmp_path / ".lightning_pp-partial").iterdir()), "the killed save should have left its directory"
+    assert _CheckpointConnector.hpc_save_path(tmp_path) == str(tmp_path / "hpc_ckpt_2.ckpt")  # 1 is the latest
+    assert _load(tmp_path / "hpc_ckpt_1.ckpt") == (1, 1.0)

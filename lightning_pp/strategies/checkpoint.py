@@ -20,14 +20,17 @@ single-file checkpoint that ``LightningModule.load_from_checkpoint`` loads on on
 plain one-device ``Trainer`` resumes from, optimizer included. The other way, a one-device ``.ckpt``
 (or a one-device Fabric file) loads into the pipeline with its optimizer state, re-sharded.
 
-Saving is atomic: shards go to a temporary sibling directory (``.<name>.tmp-<id>``, which no
-checkpoint lookup matches: Lightning's ``ckpt_path="last"`` wants ``last*.ckpt``) that rank 0
-swaps into place after every rank has finished, with one ``renameat2(RENAME_EXCHANGE)`` on Linux.
-A process killed at any moment of a save therefore leaves either the previous checkpoint or the
-new one at the path, complete. Where the exchange is unsupported (not Linux, or e.g. NFS) two
-renames are used, and a crash between them leaves the previous checkpoint as ``.<name>.old-<id>``,
-which the next load or save of that path recovers. Leftovers of interrupted saves are removed by
-the next save of the same path.
+Saving is atomic: shards go to a temporary directory (``.lightning_pp-partial/<name>.tmp-<id>``
+beside the checkpoint) that rank 0 swaps into place after every rank has finished, with one
+``renameat2(RENAME_EXCHANGE)`` on Linux. A process killed at any moment of a save therefore leaves
+either the previous checkpoint or the new one at the path, complete. Where the exchange is
+unsupported (not Linux, or e.g. NFS) two renames are used, and a crash between them leaves the
+previous checkpoint as ``.lightning_pp-partial/<name>.old-<id>``, which the next load or save of
+that path recovers. Leftovers of interrupted saves are removed by the next save of the same path.
+The hidden folder's name holds no checkpoint's name, so no lookup by name ever sees what is in
+it: not Lightning's ``ckpt_path="last"`` (``last*.ckpt``), nor its SLURM requeue numbering, which
+takes the digits of every name containing ``hpc_ckpt_`` (a temporary ``.hpc_ckpt_2.ckpt.tmp-1a2b``
+beside the checkpoints would make it resume from a ``hpc_ckpt_21.ckpt`` that does not exist).
 
 ``meta.pt`` also records the layout the checkpoint was saved with (``lightning_pp_layout``). A
 checkpoint loads at any pipeline, virtual or expert-parallel layout, but only into a model with
@@ -122,13 +125,36 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(errno, f"cannot swap {a} and {b} into place: {os.strerror(errno)}")
 
 
+#: The folder beside a checkpoint that holds its saves in progress (see the module docstring).
+PARTIAL_DIR = ".lightning_pp-partial"
+
+
+def _partial(path: Path, kind: str) -> Path:
+    """A new temporary (``kind="tmp"``) or previous (``"old"``) directory for a save of ``path``."""
+    return path.parent / PARTIAL_DIR / f"{path.name}.{kind}-{uuid.uuid4().hex[:8]}"
+
+
 def _siblings(path: Path, kind: str) -> list[Path]:
-    return sorted(path.parent.glob(f".{path.name}.{kind}-*")) if path.parent.is_dir() else []
+    """The ``kind`` leftovers of earlier saves of ``path`` (also where versions before 2026-12-03 put
+    them: ``.<name>.<kind>-*`` beside it)."""
+    found = []
+    for folder, pattern in ((path.parent / PARTIAL_DIR, f"{path.name}.{kind}-*"), (path.parent, f".{path.name}.{kind}-*")):
+        if folder.is_dir():
+            found += sorted(folder.glob(pattern))
+    return found
+
+
+def _drop_partial_dir(path: Path) -> None:
+    try:
+        os.rmdir(path.parent / PARTIAL_DIR)
+    except OSError:
+        pass  # absent, or holding another path's save
 
 
 def _recoverable(path: Path) -> Optional[Path]:
-    """The previous checkpoint left as ``.<name>.old-*`` by a save interrupted between its two
-    renames (only where the atomic exchange is unavailable), if ``path`` itself is missing."""
+    """The previous checkpoint left as ``<name>.old-*`` (in :data:`PARTIAL_DIR`) by a save interrupted
+    between its two renames (only where the atomic exchange is unavailable), if ``path`` itself is
+    missing."""
     if is_sharded_checkpoint(path):
         return None
     complete = [old for old in _siblings(path, "old") if is_sharded_checkpoint(old)]
@@ -151,20 +177,21 @@ def _tidy(path: Path) -> None:
         os.replace(old, path)
     for leftover in _siblings(path, "tmp") + _siblings(path, "old"):
         shutil.rmtree(leftover, ignore_errors=True)
+    _drop_partial_dir(path)
 
 
 def save(path: Any, shards: dict[str, dict], meta: dict) -> Path:
     """Write ``shards`` (DCP, every rank) and ``meta`` (rank 0) atomically to directory ``path``."""
     path = _agree_on_path(Path(path))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    tmp_box = [str(path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"))]
+    tmp_box = [str(_partial(path, "tmp"))]
     if dist.is_initialized():
         dist.broadcast_object_list(tmp_box, src=0)
     tmp = Path(tmp_box[0])
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         _tidy(path)
-        tmp.mkdir()
+        tmp.mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier()
     dcp.save(shards, checkpoint_id=tmp)
@@ -178,10 +205,11 @@ def save(path: Any, shards: dict[str, dict], meta: dict) -> Path:
         elif _exchange(tmp, path):
             shutil.rmtree(tmp, ignore_errors=True)  # now holds the previous checkpoint
         else:
-            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            old = _partial(path, "old")
             os.replace(path, old)
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
+        _drop_partial_dir(path)
     if dist.is_initialized():
         dist.barrier()
     return path

@@ -141,6 +141,25 @@ class PipelineEngine:
                       resolved.schedule.schedule, resolved.dims.pp, resolved.schedule.vp,
                       resolved.schedule.num_microbatches, resolved.dims.ep, resolved.dims.dp)
 
+    def forget_earlier_failure(self) -> None:
+        """At the start of a run, on every rank: a failure that an earlier run in these processes put on
+        the job's board (a sweep's trial that failed on every rank) belongs to that run; left there,
+        every rank would refuse this run's first step. Cleared between two barriers: no rank still
+        reads it, none starts a step before it is gone."""
+        from lightning_pp.runtime.failure.board import FailureBoard
+        from lightning_pp.runtime.failure.watchdog import process_watchdog
+
+        board = FailureBoard()
+        if board.store is None:
+            return  # no process group: nothing shared
+        dist.barrier()
+        if dist.get_rank() == 0:
+            board.clear()
+        dist.barrier()
+        watchdog = process_watchdog()
+        if watchdog is not None:
+            watchdog.forget()
+
     def setup_module(self, module: nn.Module, device: torch.device) -> PipelineExecutor:
         """Cut ``module`` for this rank (once; a module already cut is reused)."""
         existing = find_executor(module)

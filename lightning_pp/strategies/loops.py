@@ -140,3 +140,12 @@ def say_what_the_summary_shows(trainer: Any, engine: Any) -> None:
         rank_zero_info(f"lightning_pp: the model summary below shows this rank's pipeline stage only: "
                        f"{engine.describe_stage()}; the layers of other stages appear as NotOnThisStage with no "
                        f"parameters.")
+
+
+def use_pipeline_optimization(trainer) -> None:
+    """Give the fit loop the pipeline's automatic optimization (once), keeping its progress."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not isinstance(epoch_loop.automatic_optimization, _PipelineAutomaticOptimization):
+        replacement = _PipelineAutomaticOptimization(trainer)
+        replacement.optim_progress = epoch_loop.automatic_optimization.optim_progress
+        epoch_loop.automatic_optimization = replacement

@@ -46,9 +46,10 @@ from lightning_pp.runtime.step.sharding import DataParallelSharding
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
 from lightning_pp.strategies.core import LIGHTNING_ARGUMENTS, PipelineEngine, PipelineStrategyMixin
-from lightning_pp.strategies.loops import (ALREADY_GLOBAL, _PipelineAutomaticOptimization, lightning_hook_of,
-                                          log_options, logging_as_one_device, overrides_step,
-                                          say_what_the_summary_shows, warn_unused_step_methods)
+from lightning_pp.strategies.loops import (ALREADY_GLOBAL, lightning_hook_of, log_options, logging_as_one_device,
+                                          overrides_step, say_what_the_summary_shows, use_pipeline_optimization,
+                                          warn_unused_step_methods)
+from lightning_pp.strategies.signals import PipelineSignalConnector, record_stop
 
 
 class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
@@ -131,6 +132,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self.engine.forget_earlier_failure()  # a sweep's next trial starts clean
         self.engine.setup_topology(self.root_device.type)
         self._shard_data_over_data_parallel()
         if self.lightning_module is not None:
@@ -147,13 +149,10 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         warn_unused_step_methods(self.lightning_module, trainer.state.fn)
         say_what_the_summary_shows(trainer, self.engine)
+        PipelineSignalConnector.install(trainer, self)  # signals act between training steps, every rank alike
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            epoch_loop = trainer.fit_loop.epoch_loop
-            if not isinstance(epoch_loop.automatic_optimization, _PipelineAutomaticOptimization):
-                replacement = _PipelineAutomaticOptimization(trainer)
-                replacement.optim_progress = epoch_loop.automatic_optimization.optim_progress
-                epoch_loop.automatic_optimization = replacement
+            use_pipeline_optimization(trainer)
             self.setup_optimizers(trainer)
             self._install_global_clipping()
         self.setup_precision_plugin()
@@ -366,7 +365,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         * a communication error caused by a peer that failed (e.g. in Lightning's own barrier or
           broadcast, or the strategy's log broadcast): the peer's record is looked up (waiting up to
           2 s for it) and added to the exception as a note; this rank never blames itself;
-        * a pipeline failure (``PipelineError``, ``NonFiniteError``, one the step recorded): as is.
+        * a pipeline failure (``PipelineError``, ``NonFiniteError``, one the step recorded), a signal's stop: as is.
         """
         super().on_exception(exception)
         try:
@@ -377,8 +376,8 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
     def _explain_exception(self, exception: BaseException) -> None:
         from lightning_pp.runtime.failure.outside_step import explain_exception, locate
 
-        found = self.engine.failure_context(self.global_rank)
-        if found is not None:  # else no process group (yet): the error stays local
+        found = self.engine.failure_context(self.global_rank)  # None: no process group (yet), the error stays local
+        if found is not None and not record_stop(exception, found[0]):  # a signal's stop is recorded as it is
             board, me, diagnosis = found
             explain_exception(exception, board, me, where=locate(exception, lightning_hook_of), diagnosis=diagnosis)
 

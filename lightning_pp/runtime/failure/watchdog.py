@@ -95,6 +95,7 @@ class Watchdog:
         self._failure_seen_at = 0.0
         self._handling_since: Optional[float] = None  # when the main thread was first seen unwinding
         self._acknowledged: set[str] = set()
+        self._generation = 0  # bumped by forget(): a board read from before it is stale
         self._executors: "weakref.WeakSet" = weakref.WeakSet()
         self._active: Optional[weakref.ref] = None
         self._stop = threading.Event()
@@ -130,6 +131,13 @@ class Watchdog:
             self._acknowledged.add(failure)
         if self.board.unreachable:
             self._acknowledged.add(STORE_GONE)
+
+    def forget(self) -> None:
+        """A new run starts in this process after the board was cleared (a sweep's next trial after a
+        failed one): drop the failure seen and what was acknowledged."""
+        self._generation += 1
+        self.failure = None
+        self._acknowledged.clear()
 
     def known_failure(self) -> Optional[str]:
         """The failure on the board, if the thread has seen one (re-read, so a board cleared since
@@ -212,7 +220,10 @@ class Watchdog:
         }
 
     def _poll_board(self, now: float, executor) -> None:
+        generation = self._generation
         failure = self.board.read()
+        if generation != self._generation:
+            return  # forget() ran meanwhile: this read may be from before the board was cleared
         if failure is None and self.board.unreachable:
             if self.failure is not None:
                 failure = self.failure  # keep counting down on the failure already seen
