@@ -24,6 +24,7 @@ from lightning_pp.runtime.step.norm import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.failure.guard import failure_seen_in_process
 from lightning_pp.runtime.step.microbatch import batch_size, map_tensors
 from lightning_pp.strategies.data import DataParallelWorld, LitdataSharding, data_parallel_world
+from lightning_pp.strategies.loops import LogRecorder
 from lightning_pp.runtime.process import state
 
 _log = logging.getLogger("lightning_pp")
@@ -36,39 +37,6 @@ LIGHTNING_ARGUMENTS = {
         ("timeout", ": the process group's timeout (the pipeline's own waits: pipeline_timeout)"),
         ("start_method", ""))
 }
-
-
-class LogRecorder:
-    """Collects ``self.log`` calls made inside ``pipeline_loss`` on the last stage, so they can be
-    replayed on every rank once the step is done (a ``sync_dist`` collective must run everywhere).
-    Values are averaged over microbatches, weighted by their sample count; a torchmetrics
-    ``Metric`` contributes the value of its latest ``forward``."""
-
-    def __init__(self) -> None:
-        self.entries: dict[str, list] = {}
-        self.weight = 1.0
-
-    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if args:
-            raise TypeError("inside pipeline_loss, pass self.log options by keyword (e.g. prog_bar=True)")
-        value = getattr(value, "_forward_cache", value)  # torchmetrics Metric -> its step value
-        if value is None:
-            return
-        value = torch.as_tensor(value).detach().to("cpu", torch.float64)
-        if value.numel() != 1:
-            raise ValueError(f"self.log({name!r}, ...) inside pipeline_loss needs a scalar, got shape {tuple(value.shape)}")
-        entry = self.entries.setdefault(name, [0.0, 0.0, kwargs])
-        entry[0] += float(value) * self.weight
-        entry[1] += self.weight
-
-    def log_dict(self, dictionary: dict, **kwargs: Any) -> None:
-        for name, value in dictionary.items():
-            self.log(name, value, **kwargs)
-
-    def take(self) -> dict[str, tuple[float, dict]]:
-        out = {name: (total / weight, kwargs) for name, (total, weight, kwargs) in self.entries.items() if weight > 0}
-        self.entries = {}
-        return out
 
 
 def _destroy_process_groups_at_exit() -> None:

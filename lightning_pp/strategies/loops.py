@@ -1,13 +1,15 @@
 """How the pipeline strategy fits Lightning's loops: the automatic-optimization loop without its own
 backward, the step methods the pipeline calls as written and the one it does not (and where its
 work goes), logging from them as one device logs, what the model summary shows, and Lightning's
-hook names for failure messages."""
+hook names for failure messages; the recorder of what pipeline_loss logs on the last stage, replayed
+on every rank after the step."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Any, Generator, Optional
 
+import torch
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning_pp.runtime.process import state
@@ -149,3 +151,36 @@ def use_pipeline_optimization(trainer) -> None:
         replacement = _PipelineAutomaticOptimization(trainer)
         replacement.optim_progress = epoch_loop.automatic_optimization.optim_progress
         epoch_loop.automatic_optimization = replacement
+
+
+class LogRecorder:
+    """Collects ``self.log`` calls made inside ``pipeline_loss`` on the last stage, so they can be
+    replayed on every rank once the step is done (a ``sync_dist`` collective must run everywhere).
+    Values are averaged over microbatches, weighted by their sample count; a torchmetrics
+    ``Metric`` contributes the value of its latest ``forward``."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, list] = {}
+        self.weight = 1.0
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError("inside pipeline_loss, pass self.log options by keyword (e.g. prog_bar=True)")
+        value = getattr(value, "_forward_cache", value)  # torchmetrics Metric -> its step value
+        if value is None:
+            return
+        value = torch.as_tensor(value).detach().to("cpu", torch.float64)
+        if value.numel() != 1:
+            raise ValueError(f"self.log({name!r}, ...) inside pipeline_loss needs a scalar, got shape {tuple(value.shape)}")
+        entry = self.entries.setdefault(name, [0.0, 0.0, kwargs])
+        entry[0] += float(value) * self.weight
+        entry[1] += self.weight
+
+    def log_dict(self, dictionary: dict, **kwargs: Any) -> None:
+        for name, value in dictionary.items():
+            self.log(name, value, **kwargs)
+
+    def take(self) -> dict[str, tuple[float, dict]]:
+        out = {name: (total / weight, kwargs) for name, (total, weight, kwargs) in self.entries.items() if weight > 0}
+        self.entries = {}
+        return out
