@@ -237,3 +237,40 @@ def test_measured_costs_choose_through_the_same_simulator():
     costs = LayerCosts(tuple([BLOCK] * 5 + [HEAD]))
     choice = choose_layout(cfg, costs)
     assert evaluate_layout(cfg, costs.layers, choice.layout).step == choice.chosen.step
+
+
+# -- the Trainer: the first training batch is measured; the monitor's costs go back into the CLI -----
+def _fit(rank, world, log_root):
+    import os
+
+    import lightning as L
+
+    from lightning_models import PipeRegressor, loader
+    from lightning_pp import PipelineMonitor, PipelineStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.manual_seed(0)
+    monitor = PipelineMonitor(every_n_steps=1, trace_step=2, write_trace=False, write_png=False, write_costs=True,
+                              dirpath=log_root)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=3, callbacks=[monitor], logger=False,
+        strategy=PipelineStrategy(pipeline_parallel_size=2, num_microbatches=4, layout="auto"),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False,
+    )
+    trainer.fit(PipeRegressor(hidden=32, blocks=4), loader(16, n=48))
+    executor = trainer.strategy.engine.executor
+    return list(executor.partition.layout), executor.layout_choice.to_dict(), [str(p) for p in monitor.written]
+
+
+def test_the_trainer_measures_its_first_batch_and_the_monitor_writes_costs_the_cli_reads(tmp_path, capsys):
+    per_rank = run_distributed(_fit, 2, str(tmp_path), timeout=240)
+    (layout0, choice0, written), (layout1, choice1, _) = per_rank
+    assert layout0 == layout1 == choice0["layout"] == choice1["layout"] and sum(layout0) == 6
+    assert choice0["even"]["layout"] == [3, 3] and choice0["candidates"] == 5
+    assert [p.rsplit("/", 1)[-1] for p in written] == ["pipeline_costs_step2.json"]
+    costs = LayerCosts.load(written[0])
+    assert costs.stage_layout == tuple(layout0) and len(costs.layers) == 6
+    assert all(c.forward > 0 and c.backward > 0 and c.static_bytes > 0 for c in costs.layers)
+    assert schedule_cli(["--pp", "2", "--microbatches", "4", "--costs", written[0], "--layout", "auto"]) == 0
+    assert "layout='auto' for 1f1b pp=2 vp=1 microbatches=4" in capsys.readouterr().out
