@@ -187,6 +187,7 @@ class LayoutChoice:
     exhaustive: bool
     memory_budget: Optional[float] = None
     unit: str = "s"
+    costs: Optional[LayerCosts] = None  # the per-layer costs it was chosen from (``costs.save(path)``: a cost file)
 
     @property
     def layout(self) -> list[int]:
@@ -292,7 +293,8 @@ def evaluate_layout(cfg: ScheduleConfig, layers: Sequence[LayerCost], layout: Se
                           result)
 
 
-def _compositions(num_layers: int, num_stages: int):
+def every_layout(num_layers: int, num_stages: int):
+    """Every layout of ``num_layers`` layers over ``num_stages`` stages (each at least one), in order."""
     for cuts in combinations(range(1, num_layers), num_stages - 1):
         bounds = (0, *cuts, num_layers)
         yield [bounds[i + 1] - bounds[i] for i in range(num_stages)]
@@ -375,7 +377,7 @@ def choose_layout(cfg: ScheduleConfig, costs: Union[LayerCosts, Sequence[LayerCo
     exhaustive = _count(num_layers, num_stages) <= exhaustive_limit
     best: Optional[LayoutEstimate] = None
     if exhaustive:
-        for layout in _compositions(num_layers, num_stages):
+        for layout in every_layout(num_layers, num_stages):
             e = estimate(layout)
             if better(e, best):
                 best = e
@@ -412,8 +414,8 @@ def choose_layout(cfg: ScheduleConfig, costs: Union[LayerCosts, Sequence[LayerCo
             f"{cfg.schedule} with {cfg.num_microbatches} microbatches). Raise the budget to at least that, or hold "
             f"less: more pipeline stages, activation checkpointing, sharding, or a schedule with fewer microbatches "
             f"in flight.")
-    return LayoutChoice(cfg, best, estimate(even), len(seen), exhaustive, memory_budget, unit)
+    return LayoutChoice(cfg, best, estimate(even), len(seen), exhaustive, memory_budget, unit, layer_costs)
 
 
 __all__ = ["EXHAUSTIVE_LIMIT", "LayerCost", "LayerCosts", "LayoutChoice", "LayoutEstimate", "balanced_by_weight",
-           "choose_layout", "evaluate_layout", "even_layout", "rank_peak_memory", "stage_costs_of"]
+           "choose_layout", "evaluate_layout", "even_layout", "every_layout", "rank_peak_memory", "stage_costs_of"]
