@@ -160,8 +160,19 @@ class SameBlocks(Layered):
         return list(self.blocks)
 
 
-def _model(kind: str, num_layers: int):
+def _model(kind: str, num_layers: int, meta: bool = False, materialized: bool = False):
+    """``meta``: built on the meta device (the pipeline materialises what each rank keeps);
+    ``materialized``: the same, materialised whole here, as the one-device reference of it."""
     torch.manual_seed(3)
+    if meta or materialized:
+        with torch.device("meta"):
+            model = _model(kind, num_layers)
+        torch.manual_seed(3)
+        if materialized:
+            from lightning_pp.runtime.cut.meta import materialize
+
+            materialize(model, torch.device("cpu"), seed=3)
+        return model
     if kind == "heavy":
         return HeavyHeadNet(num_layers - 2).double()
     return SameBlocks(num_layers).double()
@@ -184,15 +195,27 @@ def _cases(pp: int):
         vp = _vp(schedule)
         cases.append(dict(kind="heavy", schedule=schedule, pp=pp, vp=vp, layers=2 * pp * vp, m=2 * pp))
     cases.append(dict(kind="same", schedule="1f1b", pp=pp, vp=1, layers=2 * pp, m=2 * pp))
+    if pp == 2:  # built on the meta device: measured one materialised copy of a layer at a time
+        cases.append(dict(kind="heavy", meta=True, schedule="zbv", pp=pp, vp=2, layers=4 * pp, m=2 * pp))
+        cases.append(dict(kind="budget"))
     return cases
 
 
 def _run(rank, world, cases):
     from lightning_pp.runtime import build_pipeline
 
+    from lightning_pp.runtime import AutoLayout
+
     out = []
     for case in cases:
-        model = _model(case["kind"], case["layers"])
+        if case["kind"] == "budget":  # rank 0 finds no layout under the budget: every rank raises its error
+            try:
+                build_pipeline(_model("heavy", 6), pipeline_parallel_size=2, layout=AutoLayout(memory_budget=1000),
+                               example_batch=_batches("heavy", 4, 2)[0])
+            except ValueError as err:
+                out.append(str(err))
+            continue
+        model = _model(case["kind"], case["layers"], meta=case.get("meta", False))
         batches = _batches(case["kind"], *_dims(case["kind"]))
         executor = build_pipeline(model, pipeline_parallel_size=case["pp"], virtual_pipeline_size=case["vp"],
                                   num_microbatches=case["m"], schedule=case["schedule"], layout="auto",
@@ -208,6 +231,11 @@ def test_auto_layout_under_every_schedule_equals_one_device(pp):
     cases = _cases(pp)
     per_rank = run_distributed(_run, pp, cases, timeout=400)
     for i, case in enumerate(cases):
+        if case["kind"] == "budget":
+            # The head's 16384-wide float64 weights alone take over a megabyte: no layout fits 1000 bytes.
+            for message in (r[i] for r in per_rank):
+                assert "layout='auto' cannot meet memory_budget=1000" in message and "smallest peak" in message
+            continue
         layouts = {tuple(r[i][0]) for r in per_rank}
         assert len(layouts) == 1, f"{case}: ranks took different layouts {layouts}"
         layout = list(layouts.pop())
@@ -217,7 +245,8 @@ def test_auto_layout_under_every_schedule_equals_one_device(pp):
             assert layout[-1] == 1 or case["schedule"] in ("zbv", "dualpipev"), per_rank[0][i][1]
         else:
             assert layout == even, f"{case}: identical layers, yet {layout}\n{per_rank[0][i][1]}"
-        model, batches = _model(case["kind"], case["layers"]), _batches(case["kind"], *_dims(case["kind"]))
+        model = _model(case["kind"], case["layers"], materialized=case.get("meta", False))
+        batches = _batches(case["kind"], *_dims(case["kind"]))
         compare(case, reference_steps(model, batches), [r[i][2] for r in per_rank])
 
 
