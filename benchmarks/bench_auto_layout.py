@@ -1,8 +1,8 @@
 """``layout="auto"`` against the even split, the best measured layout and torch.distributed.pipelining.
 
 Model: a decoder language model in miniature whose even split is wrong in the two ways real ones
-are: a token embedding, ``--narrow`` residual MLP blocks of width ``2 * hidden`` then ``--wide``
-ones of width ``8 * hidden`` (blocks of two widths), and a head (LayerNorm, a linear layer to
+are: a token embedding, ``--narrow`` residual MLP blocks of width ``--narrow-mult * hidden`` (1) then
+``--wide`` ones of width ``--wide-mult * hidden`` (8): blocks of two widths, and a head (LayerNorm, a linear layer to
 ``--vocab`` logits) whose cross-entropy loss over the large vocabulary costs several blocks.
 Float32, token-id batches of ``--batch`` sequences of ``--seq`` tokens, ``--microbatches``
 microbatches, the same weights (one seed) in every implementation.
@@ -59,7 +59,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import launch, max_over_ranks, summary  # noqa: E402
 
-DEFAULTS = dict(hidden=64, vocab=8192, narrow=8, wide=8, seq=32, batch=16, microbatches=8, steps=12, warmup=2,
+DEFAULTS = dict(hidden=64, vocab=4096, narrow=8, wide=8, narrow_mult=1, wide_mult=8, seq=32, batch=16, microbatches=8, steps=12, warmup=2,
                 candidates=6, pp="2,4", schedules="1f1b,zb1p", epoch_steps=1000, seed=0, timeout=1500.0)
 QUICK = dict(steps=5, warmup=1, candidates=4)
 DRY_RUN = dict(hidden=16, vocab=256, narrow=2, wide=2, seq=4, batch=8, microbatches=4, steps=1, warmup=0, candidates=2)
@@ -96,8 +96,8 @@ def _model(cfg: dict):
             super().__init__()
             h = cfg["hidden"]
             self.embed = nn.Embedding(cfg["vocab"], h)
-            self.blocks = nn.ModuleList([MLPBlock(h, 2 * h) for _ in range(cfg["narrow"])]
-                                        + [MLPBlock(h, 8 * h) for _ in range(cfg["wide"])])
+            self.blocks = nn.ModuleList([MLPBlock(h, cfg["narrow_mult"] * h) for _ in range(cfg["narrow"])]
+                                        + [MLPBlock(h, cfg["wide_mult"] * h) for _ in range(cfg["wide"])])
             self.head = Head(h, cfg["vocab"])
 
         def pipeline_layers(self):

@@ -5,8 +5,8 @@ of a real batch (the first of the ``num_microbatches`` it is split into, so ever
 shapes it sees in training) and records, per layer (:class:`~lightning_pp.schedules.auto_layout.LayerCost`):
 
 * the time of its forward, of its input gradient (``torch.autograd.grad`` to its floating-point
-  inputs; none for the first layer, whose input is data) and of its weight gradient (a full
-  backward less the input gradient), each the fastest of ``repeats`` runs after one warm-up run
+  inputs; none for the first layer, whose input is data) and of its weight gradient (then, from
+  the same graph, to its parameters: the zero-bubble split's B and W), each the fastest of ``repeats`` runs after one warm-up run
   (noise on a shared machine only ever adds time); ``pipeline_loss`` is measured apart and added to
   the last layer (so equal layers stay equal);
 * the bytes it holds for the whole step: its parameters, their gradients (trainable ones) and
@@ -123,21 +123,22 @@ def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Seq
         t_f = _clock(device) - start
         outs = [t for t in tensors_in(out) if t.requires_grad]
         grads = [torch.ones_like(t) for t in outs]
-        t_b = t_full = 0.0
+        t_b = t_w = 0.0
         if outs:  # else nothing to differentiate (a frozen layer on integer inputs)
+            # As the zero-bubble split runs them: the input gradient, then the weight gradient
+            # from what it left (the graph kept in between).
             if float_inputs:
                 start = _clock(device)
-                torch.autograd.grad(outs, float_inputs, grads, retain_graph=True, allow_unused=True)
+                torch.autograd.grad(outs, float_inputs, grads, retain_graph=bool(params), allow_unused=True)
                 t_b = _clock(device) - start
-            wrt = float_inputs + list(params)
-            if wrt:
+            if params:
                 start = _clock(device)
-                torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-                t_full = _clock(device) - start
+                torch.autograd.grad(outs, list(params), grads, allow_unused=True)
+                t_w = _clock(device) - start
         if run:
             times["F"].append(t_f)
             times["B"].append(t_b)
-            times["W"].append(max(0.0, t_full - t_b))
+            times["W"].append(t_w)
     return min(times["F"]), min(times["B"]), min(times["W"]), float(sum(saved.values())), out
 
 
