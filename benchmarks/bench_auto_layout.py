@@ -59,7 +59,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import launch, max_over_ranks, summary  # noqa: E402
 
-DEFAULTS = dict(hidden=64, vocab=4096, narrow=8, wide=8, narrow_mult=1, wide_mult=8, seq=32, batch=16, microbatches=8, steps=12, warmup=2,
+DEFAULTS = dict(hidden=64, vocab=4096, narrow=8, wide=8, narrow_mult=1, wide_mult=8, seq=32, batch=16, microbatches=8,
+                steps=12, warmup=2,
                 candidates=6, pp="2,4", schedules="1f1b,zb1p", epoch_steps=1000, seed=0, timeout=1500.0)
 QUICK = dict(steps=5, warmup=1, candidates=4)
 DRY_RUN = dict(hidden=16, vocab=256, narrow=2, wide=2, seq=4, batch=8, microbatches=4, steps=1, warmup=0, candidates=2)

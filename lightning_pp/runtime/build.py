@@ -20,8 +20,8 @@ from lightning_pp.runtime.cut.partition import (
     layer_list,
     resolve_layout,
 )
-from lightning_pp.runtime.cut.layout import auto_layout_of, balanced_layout
-from lightning_pp.runtime.measure import decide_layout
+from lightning_pp.runtime.cut.layout import auto_layout_of
+from lightning_pp.runtime.measure import batch_to_measure, decide_layout
 from lightning_pp.runtime.layer import checkpointed_layers
 from lightning_pp.runtime.protocols import ExpertParallelLayer
 from lightning_pp.runtime.step.executor import PipelineExecutor
@@ -77,27 +77,18 @@ def build_pipeline(
         resolved = config.resolve(world_size)
     schedule = resolved.schedule
     auto = auto_layout_of(config.layout)
-    if auto is not None:
-        balanced_layout(len(layers), schedule.num_stages)  # enough layers for the stages
-        example_batch = example_batch if example_batch is not None else getattr(module, "pipeline_example_batch", None)
-        if example_batch is None:
-            raise ValueError(
-                f"layout={config.layout!r} measures every pipeline layer on one real training batch before the cut, "
-                f"and none was given: give {type(module).__name__} a `pipeline_example_batch(self)` method returning "
-                f"one batch as your dataloader yields it, or pass build_pipeline(..., example_batch=batch) (the "
-                f"Trainer strategy takes the first batch of the training dataloader).")
+    if auto is not None:  # checked before any group exists
+        example_batch = batch_to_measure(module, config.layout, len(layers), schedule.num_stages, example_batch)
     elif topology is None:
         resolve_layout(config.layout, len(layers), schedule.num_stages)  # before any group exists
     if topology is None:
         topology = build_topology(schedule.pp, config.expert_parallel_size, device.type)
     for i in recomputed:
         layers[i]._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
-    layout, choice = config.layout, None
-    if auto is not None:
-        shards = topology.dp if config.data_parallel_sharding == "full" else 1
-        choice = decide_layout(module, layers, schedule, example_batch, device, auto.memory_budget, auto.repeats,
-                               shards)
-        layout = choice.layout
+    choice = None if auto is None else decide_layout(
+        module, layers, schedule, example_batch, device, auto.memory_budget, auto.repeats,
+        topology.dp if config.data_parallel_sharding == "full" else 1)
+    layout = config.layout if choice is None else choice.layout
     partition = cut_model(module, schedule.pp, schedule.vp, topology.pp_rank, layout, layers=layers,
                           placement=schedule.placement)
     setup_expert_parallel(partition, topology, device)

@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from lightning_pp.runtime.cut.layout import balanced_layout
 from lightning_pp.runtime.cut.meta import has_meta_tensors, materialize
 from lightning_pp.runtime.cut.partition import default_pipeline_inputs
 from lightning_pp.runtime.layer import run_layer
@@ -194,6 +195,21 @@ def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: A
                       f"{len(measured)} distinct layers of {len(layers)}, fastest of {repeats} runs")
 
 
+def batch_to_measure(module: nn.Module, layout: Any, num_layers: int, num_stages: int, example_batch: Any) -> Any:
+    """What ``layout="auto"`` measures on: ``example_batch``, else the module's
+    ``pipeline_example_batch`` (called later, on rank 0 only); raises ``ValueError`` (before any
+    process group exists) when there is neither, or too few layers for the stages."""
+    balanced_layout(num_layers, num_stages)  # enough layers for the stages (its error names them)
+    batch = example_batch if example_batch is not None else getattr(module, "pipeline_example_batch", None)
+    if batch is None:
+        raise ValueError(
+            f"layout={layout!r} measures every pipeline layer on one real training batch before the cut, "
+            f"and none was given: give {type(module).__name__} a `pipeline_example_batch(self)` method returning "
+            f"one batch as your dataloader yields it, or pass build_pipeline(..., example_batch=batch) (the "
+            f"Trainer strategy takes the first batch of the training dataloader).")
+    return batch
+
+
 def decide_layout(module: nn.Module, layers: Sequence[nn.Module], schedule: ScheduleConfig, batch: Any,
                   device: torch.device, memory_budget: Optional[float] = None, repeats: int = 3,
                   shards: int = 1) -> LayoutChoice:
@@ -225,4 +241,4 @@ def decide_layout(module: nn.Module, layers: Sequence[nn.Module], schedule: Sche
     return choice
 
 
-__all__ = ["OPTIMIZER_STATES", "decide_layout", "measure_layer_costs", "parameter_bytes"]
+__all__ = ["OPTIMIZER_STATES", "batch_to_measure", "decide_layout", "measure_layer_costs", "parameter_bytes"]

@@ -29,15 +29,14 @@ helps) starts from the even split and from the split that balances each stage's 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from itertools import combinations
-from pathlib import Path
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from lightning_pp.schedules.actions import BACKWARD, FORWARD, FORWARD_BACKWARD, WEIGHT_GRAD
 from lightning_pp.schedules.costs import CostModel, StageCost
+from lightning_pp.schedules.layer_costs import LayerCost, LayerCosts
 from lightning_pp.schedules.simulator import SimulationResult, simulate
 from lightning_pp.schedules.tables import ScheduleConfig
 
@@ -45,117 +44,12 @@ from lightning_pp.schedules.tables import ScheduleConfig
 EXHAUSTIVE_LIMIT = 3000
 #: Two predicted steps this close (relative) are a tie, decided by closeness to the even split.
 TIE = 1e-9
-COST_FILE_FORMAT = "lightning_pp.layer_costs"
-
-
-class LayerCost(NamedTuple):
-    """One pipeline layer, one microbatch: ``forward``, ``backward`` (the input gradient) and
-    ``weight_grad`` times, ``static_bytes`` held for the whole step (parameters, gradients,
-    optimizer state) and ``activation_bytes`` kept per microbatch in flight."""
-
-    forward: float
-    backward: float
-    weight_grad: float = 0.0
-    static_bytes: float = 0.0
-    activation_bytes: float = 0.0
 
 
 def even_layout(num_layers: int, num_stages: int) -> list[int]:
     """Layer counts per virtual stage, as even as possible; earlier stages take the remainder."""
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
-
-
-def _check_layer_costs(layers: Sequence[Any], where: str) -> tuple[LayerCost, ...]:
-    out = []
-    for index, layer in enumerate(layers):
-        cost = LayerCost(*layer) if not isinstance(layer, dict) else LayerCost(**layer)
-        for name, value in cost._asdict().items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"{where}: layer {index} has {name}={value!r}: every cost must be a finite number >= 0.")
-        out.append(cost)
-    if not out:
-        raise ValueError(f"{where}: no layers: give one cost per pipeline layer.")
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """What every pipeline layer costs (:class:`LayerCost`, in order), the input of
-    :func:`choose_layout`, and the content of a cost file (:meth:`save` / :meth:`load`).
-
-    ``unit`` names the time unit (the runtime measures ``"s"``), ``note`` says where the numbers
-    came from. ``stage_layout``: when the costs were measured per stage and spread evenly over
-    each stage's layers (:meth:`from_stages`), the layout they were measured at."""
-
-    layers: tuple[LayerCost, ...]
-    unit: str = "s"
-    note: str = ""
-    stage_layout: Optional[tuple[int, ...]] = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "layers", _check_layer_costs(self.layers, "LayerCosts"))
-        if self.stage_layout is not None:
-            object.__setattr__(self, "stage_layout", tuple(int(c) for c in self.stage_layout))
-
-    @classmethod
-    def from_stages(cls, stages: Sequence[StageCost], layout: Sequence[int], static_bytes: Sequence[float] = (),
-                    activation_bytes: Sequence[float] = (), unit: str = "s", note: str = "") -> "LayerCosts":
-        """Per-layer costs from per-stage measurements (what ``PipelineMonitor`` sees): each
-        stage's times and bytes spread evenly over its ``layout[s]`` layers. The best a per-stage
-        measurement can say: a layout that moves a layer moves its stage's average."""
-        if len(stages) != len(layout) or any(int(c) < 1 for c in layout):
-            raise ValueError(f"per-stage costs of {len(stages)} stages need a layout of as many counts >= 1; "
-                             f"got layout={list(layout)}.")
-        static = list(static_bytes) or [0.0] * len(stages)
-        activation = list(activation_bytes) or [0.0] * len(stages)
-        layers = []
-        for stage, count, held, kept in zip(stages, layout, static, activation):
-            stage = StageCost(*stage)
-            n = int(count)
-            layers.extend([LayerCost(stage.forward / n, stage.backward / n, stage.weight_grad / n, held / n, kept / n)] * n)
-        return cls(tuple(layers), unit, note, tuple(int(c) for c in layout))
-
-    def to_dict(self) -> dict:
-        out: dict = {"format": COST_FILE_FORMAT, "version": 1, "unit": self.unit, "note": self.note,
-                     "layers": [layer._asdict() for layer in self.layers]}
-        if self.stage_layout is not None:
-            out["stage_layout"] = list(self.stage_layout)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "cost file") -> "LayerCosts":
-        """Read :meth:`to_dict`'s form; ``"stages"`` (a list of ``{"layers": n, "forward": ...,
-        "backward": ..., "weight_grad": ..., "static_bytes": ..., "activation_bytes": ...}``) in
-        place of ``"layers"`` gives per-stage measurements (spread by :meth:`from_stages`)."""
-        if not isinstance(data, dict) or ("layers" not in data and "stages" not in data):
-            raise ValueError(f"{where} is not a lightning_pp cost file: expected a JSON object with 'layers' (one "
-                             f"cost per pipeline layer) or 'stages' (per-stage costs with their layer counts).")
-        unit, note = str(data.get("unit", "s")), str(data.get("note", ""))
-        if "layers" in data:
-            return cls(_check_layer_costs(data["layers"], where), unit, note, data.get("stage_layout"))
-        try:
-            stages = [StageCost(s["forward"], s["backward"], s.get("weight_grad", 0.0)) for s in data["stages"]]
-            layout = [int(s["layers"]) for s in data["stages"]]
-            static = [float(s.get("static_bytes", 0.0)) for s in data["stages"]]
-            activation = [float(s.get("activation_bytes", 0.0)) for s in data["stages"]]
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"{where}: every entry of 'stages' needs 'layers', 'forward' and 'backward' "
-                             f"(missing {err}).") from None
-        return cls.from_stages(stages, layout, static, activation, unit, note)
-
-    def save(self, path: Union[str, Path]) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        return path
-
-    @classmethod
-    def load(cls, path: Union[str, Path]) -> "LayerCosts":
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"cannot read the cost file {str(path)!r}: {err}") from None
-        return cls.from_dict(data, f"cost file {str(path)!r}")
 
 
 @dataclass
@@ -329,6 +223,41 @@ def balanced_by_weight(weights: Sequence[float], num_stages: int) -> list[int]:
     return counts[::-1]
 
 
+def _local_search(seeds: list, estimate, better) -> "LayoutEstimate":
+    """From each seed, move one layer across one stage boundary at a time (the best move first)
+    until no move is better; the best end point."""
+    best = None
+    for seed in seeds:
+        current = estimate(seed)
+        while True:
+            step_best = current
+            for i in range(len(seed) - 1):
+                for delta in (-1, 1):
+                    layout = list(current.layout)
+                    layout[i] += delta
+                    layout[i + 1] -= delta
+                    if min(layout[i], layout[i + 1]) >= 1:
+                        e = estimate(layout)
+                        if better(e, step_best):
+                            step_best = e
+            if step_best is current:
+                break
+            current = step_best
+        if better(current, best):
+            best = current
+    return best
+
+
+def _over_budget(cfg: ScheduleConfig, best: "LayoutEstimate", memory_budget: float, num_layers: int) -> str:
+    rank = best.rank_memory.index(best.peak_memory)
+    return (f"layout='auto' cannot meet memory_budget={memory_budget!r} bytes ({_bytes(memory_budget)}) per rank: "
+            f"the smallest peak any layout of {num_layers} layers over {cfg.num_stages} virtual stages reaches is "
+            f"{best.peak_memory:.0f} bytes ({_bytes(best.peak_memory)}, rank {rank}, layout {best.layout}, "
+            f"{cfg.schedule} with {cfg.num_microbatches} microbatches). Raise the budget to at least that, or hold "
+            f"less: more pipeline stages, activation checkpointing, sharding, or a schedule with fewer microbatches "
+            f"in flight.")
+
+
 def choose_layout(cfg: ScheduleConfig, costs: Union[LayerCosts, Sequence[LayerCost]],
                   memory_budget: Optional[float] = None, base: CostModel = CostModel(),
                   exhaustive_limit: int = EXHAUSTIVE_LIMIT) -> LayoutChoice:
@@ -375,45 +304,19 @@ def choose_layout(cfg: ScheduleConfig, costs: Union[LayerCosts, Sequence[LayerCo
         return (distance(a.layout), a.peak_memory) < (distance(b.layout), b.peak_memory)
 
     exhaustive = _count(num_layers, num_stages) <= exhaustive_limit
-    best: Optional[LayoutEstimate] = None
     if exhaustive:
+        best = None
         for layout in every_layout(num_layers, num_stages):
             e = estimate(layout)
             if better(e, best):
                 best = e
     else:
-        weights = [c.forward + c.backward + c.weight_grad for c in layers]
-        seeds = [even, balanced_by_weight(weights, num_stages)]
+        seeds = [even, balanced_by_weight([c.forward + c.backward + c.weight_grad for c in layers], num_stages)]
         if memory_budget is not None:
             seeds.append(balanced_by_weight([c.static_bytes + c.activation_bytes for c in layers], num_stages))
-        for seed in seeds:
-            current = estimate(seed)
-            while True:
-                step_best = current
-                for i in range(num_stages - 1):
-                    for delta in (-1, 1):
-                        layout = list(current.layout)
-                        layout[i] += delta
-                        layout[i + 1] -= delta
-                        if min(layout[i], layout[i + 1]) >= 1:
-                            e = estimate(layout)
-                            if better(e, step_best):
-                                step_best = e
-                if step_best is current:
-                    break
-                current = step_best
-            if better(current, best):
-                best = current
-    assert best is not None
+        best = _local_search(seeds, estimate, better)
     if not fits(best):
-        rank = best.rank_memory.index(best.peak_memory)
-        raise ValueError(
-            f"layout='auto' cannot meet memory_budget={memory_budget!r} bytes ({_bytes(memory_budget)}) per rank: "
-            f"the smallest peak any layout of {num_layers} layers over {num_stages} virtual stages reaches is "
-            f"{best.peak_memory:.0f} bytes ({_bytes(best.peak_memory)}, rank {rank}, layout {best.layout}, "
-            f"{cfg.schedule} with {cfg.num_microbatches} microbatches). Raise the budget to at least that, or hold "
-            f"less: more pipeline stages, activation checkpointing, sharding, or a schedule with fewer microbatches "
-            f"in flight.")
+        raise ValueError(_over_budget(cfg, best, memory_budget, num_layers))
     return LayoutChoice(cfg, best, estimate(even), len(seen), exhaustive, memory_budget, unit, layer_costs)
 
 

@@ -35,7 +35,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
-from lightning_pp.strategies import checkpoint as ckpt
+from lightning_pp.strategies import checkpoint as ckpt, data
 from lightning_pp.runtime.step.microbatch import batch_size
 from lightning_pp.runtime.compiled import CompileOption
 from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig
@@ -174,7 +174,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
-        self.engine.setup_module(self.lightning_module, self.root_device, example_batch=_first_training_batch(trainer))
+        self.engine.setup_module(self.lightning_module, self.root_device, example_batch=data.first_training_batch(trainer))
         # Again: what was materialised from the meta device after the cut (e.g. a rotary cache its
         # reset_parameters computes in float32) takes the precision's dtype, as on one device.
         self.precision_plugin.convert_module(self.model)
@@ -398,21 +398,3 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         if found is not None:  # else no process group (yet): the error stays local
             board, me, diagnosis = found
             explain_exception(exception, board, me, where=locate(exception, lightning_hook_of), diagnosis=diagnosis)
-
-
-def _first_training_batch(trainer) -> Any:
-    """What ``layout="auto"`` measures on when fitting a module without ``pipeline_example_batch``:
-    a function returning the first batch of the training dataloader (called on global rank 0 only,
-    and only for ``layout="auto"``); ``None`` otherwise."""
-    module = trainer.lightning_module
-    if trainer.state.fn != TrainerFn.FITTING or callable(getattr(module, "pipeline_example_batch", None)):
-        return None
-
-    def first_batch() -> Any:
-        from lightning.pytorch.utilities.combined_loader import CombinedLoader
-
-        loader = trainer.fit_loop._data_source.dataloader()  # the user's train_dataloader(), as the fit loop asks
-        batch, _, _ = next(iter(CombinedLoader(loader, "max_size_cycle")))
-        return batch
-
-    return first_batch
