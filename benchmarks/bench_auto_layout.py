@@ -38,7 +38,8 @@ over the reference):
   measured costs (compute only, free point-to-point) over the measured auto step;
   ``auto_layout_predicted_over_measured`` the one farthest from 1 (target 0.9-1.1);
 * ``auto_layout_measure_seconds``: the time ``layout="auto"`` adds to ``build_pipeline`` (auto build
-  less even build, slowest rank, largest over the configurations), and
+  less even build, slowest rank, largest over the configurations; torch's one-time imports at its
+  first ``autograd.grad`` are done before, as a training step would do them anyway), and
   ``auto_layout_measure_over_epoch``: that over one epoch of the main job, taken as
   ``--epoch-steps`` (default 1000) auto steps.
 
@@ -249,6 +250,12 @@ def _ranked_layouts(schedule: str, pp: int, microbatches: int, choice) -> list:
 
 
 def _worker(rank: int, world: int, cfg: dict) -> list:
+    import torch
+
+    # torch imports part of itself at the first autograd.grad call (seconds): done here, so that
+    # the time measuring adds is measuring's own (the first training step would pay it anyway).
+    x = torch.ones(1, requires_grad=True)
+    torch.autograd.grad(x * 2, [x], [torch.ones(1)])
     out = []
     for schedule in cfg["schedules"].split(","):
         out.append(_one_config(cfg, schedule, world, rank))
