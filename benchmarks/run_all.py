@@ -13,7 +13,9 @@ ratio_vs_torch_moe_dualpipev, peak_memory_ratio_vs_torch (and peak_memory_carrie
 sharded_state_bytes_ratio,
 sharded_peak_memory_ratio, sharded_step_ratio, ratio_vs_torch_fsdp_1f1b (and its peak memory),
 reduce_scatter_hidden_fraction, zb_compiled_backward_ratio, monitor_overhead, batch_check_bound,
-rng_streams_bound, schedule_generate_simulate_seconds, and the supporting figures.
+rng_streams_bound, auto_layout_step_ratio, auto_layout_vs_best, auto_layout_vs_torch,
+auto_layout_predicted_over_measured (and auto_layout_measure_over_epoch), schedule_generate_simulate_seconds,
+and the supporting figures.
 """
 
 from __future__ import annotations
@@ -124,6 +126,14 @@ def main(argv=None) -> dict:
             argparse.Namespace(hidden=512, blocks=6, batch=256, microbatches=4, rounds=6 if q else 12, block_size=3),
             {"batch_check_bound": "fingerprint_bound", "rng_streams_bound": "rng_bound",
              "batch_check_overhead": "check_overhead", "batch_broadcast_overhead": "broadcast_overhead"})
+    auto_configs = [f"pp{pp}_{s}" for pp in (2, 4) for s in ("1f1b", "zb1p")]
+    section("layout='auto' vs the even split, the best measured layout and torch's pipeline", "bench_auto_layout",
+            {"quick": q},
+            {name: name for name in ("auto_layout_step_ratio", "auto_layout_vs_best", "auto_layout_vs_torch",
+                                     "auto_layout_predicted_over_measured", "auto_layout_measure_seconds",
+                                     "auto_layout_measure_over_epoch")}
+            | {f"auto_layout_{figure}_{c}": f"auto_layout_{figure}_{c}" for figure in
+               ("step_ratio", "vs_best", "vs_torch", "predicted_over_measured") for c in auto_configs})
     figures["schedule_generate_simulate_seconds"] = _schedule_seconds(q)
 
     print(f"\n## Summary ({'--quick, ' if q else ''}{time.perf_counter() - started:.0f}s in all)")

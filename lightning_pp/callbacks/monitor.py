@@ -24,6 +24,8 @@ from lightning_pp.callbacks.analysis import PipelineStats, analyze
 from lightning_pp.callbacks.export import export_png, export_trace, step_file_names
 from lightning_pp.callbacks.records import RankTimeline, gather_spans
 from lightning_pp.runtime.build import find_executor
+from lightning_pp.runtime.measure import parameter_bytes
+from lightning_pp.schedules.auto_layout import LayerCosts
 from lightning_pp.runtime.step.microbatch import batch_size, first_tensor
 from lightning_pp.runtime.timeline import SpanKind
 
@@ -57,6 +59,12 @@ class PipelineMonitor(Callback):
         prefix: prefix of the logged metric names.
         alignment: how ranks' clocks are aligned (see :func:`~lightning_pp.callbacks.analysis.clock_offsets`).
         history_size: how many analysed batches :attr:`history` keeps.
+        write_costs: also write ``pipeline_costs_step{k}.json`` for ``trace_step``: each virtual
+            stage's measured mean forward, backward and weight-gradient times and the bytes its
+            parameters, gradients and optimizer state hold, with the layout they were measured at,
+            in the cost-file form the schedule CLI reads back
+            (``python -m lightning_pp.schedules --pp P --costs pipeline_costs_step{k}.json --layout auto``:
+            the layout the simulator predicts fastest, each stage's time spread over its layers).
 
     Throughput counts the time from the end of one training batch to the end of the next (so data
     loading is included), without validation, epoch boundaries or the monitor's own gathers.
@@ -83,6 +91,7 @@ class PipelineMonitor(Callback):
         prefix: str = "pipeline/",
         alignment: str = "auto",
         history_size: int = 1000,
+        write_costs: bool = False,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps!r} is invalid: it must be an integer >= 1.")
@@ -99,6 +108,7 @@ class PipelineMonitor(Callback):
         self.trace_step = every_n_steps - 1 if trace_step is None else trace_step
         self.write_trace = write_trace
         self.write_png = write_png
+        self.write_costs = write_costs
         self.tokens_per_sample = tokens_per_sample
         self.dirpath = dirpath
         self.prog_bar = prog_bar
@@ -243,6 +253,9 @@ class PipelineMonitor(Callback):
     def _capture(self, trainer, pl_module, index: int) -> None:
         executor = self._executor
         extra = {"samples": self._samples, "tokens": self._tokens, "seconds": self._seconds}
+        if self.write_costs:  # what each of this rank's stages holds, for the cost file
+            extra["stage_static_bytes"] = {chunk.stage: parameter_bytes(chunk.parameters())
+                                           for chunk in executor.partition.chunks}
         records = gather_spans(executor.timeline, topology=executor.topology, extra=extra)
         stats = analyze(records, executor.step_schedule, alignment=self.alignment)
         self._reset_window()
@@ -261,7 +274,7 @@ class PipelineMonitor(Callback):
             for name, value in (("pp_bubble", stats.bubble_fraction), ("pp_ideal", stats.ideal_bubble)):
                 pl_module.log(name, float(value), prog_bar=True, logger=False, on_step=True, on_epoch=False,
                               batch_size=1)
-        if index == self.trace_step and (self.write_trace or self.write_png):
+        if index == self.trace_step and (self.write_trace or self.write_png or self.write_costs):
             dirpath = self.dirpath if self.dirpath is not None else trainer.log_dir  # collective: every rank
             if trainer.is_global_zero:
                 self._write_files(records, executor.step_schedule, Path(dirpath or "."), index, stats)
@@ -275,6 +288,10 @@ class PipelineMonitor(Callback):
             outputs.append(("Chrome trace", dirpath / trace_name, export_trace))
         if self.write_png and self._png_unavailable is None:
             outputs.append(("timeline picture", dirpath / png_name, export_png))
+        if self.write_costs:
+            layout = list(self._executor.partition.layout)
+            outputs.append(("cost file", dirpath / f"pipeline_costs_step{index}.json",
+                            lambda records, config, path, step, stats: stage_cost_file(stats, layout).save(path)))
         if not outputs:
             return
         try:
@@ -307,4 +324,18 @@ class PipelineMonitor(Callback):
         return out
 
 
-__all__ = ["PipelineMonitor"]
+def stage_cost_file(stats: PipelineStats, layout: list[int]) -> LayerCosts:
+    """The per-stage measurements of one analysed step as a cost file (:class:`LayerCosts`, per
+    stage, spread over the stages' layers): mean ``F`` / ``B`` / ``W`` compute seconds of each
+    virtual stage and, where the ranks reported them, the bytes of its parameters, gradients and
+    optimizer state (activations are not measured here: 0)."""
+    static: dict = {}
+    for extra in stats.extra:
+        static.update({int(stage): float(size) for stage, size in extra.get("stage_static_bytes", {}).items()})
+    cfg = stats.config
+    return LayerCosts.from_stages(stats.stage_costs, layout, [static.get(s, 0.0) for s in range(len(layout))],
+                                  unit="s", note=f"PipelineMonitor: {cfg.schedule} pp={cfg.pp} vp={cfg.vp} "
+                                  f"microbatches={cfg.num_microbatches}, per-stage means of one step")
+
+
+__all__ = ["PipelineMonitor", "stage_cost_file"]

@@ -16,6 +16,7 @@ What is importable from here is the runtime's public API, for scripts without Li
 
 from lightning_pp.runtime.build import build_pipeline, executor_of, find_executor
 from lightning_pp.runtime.config import PipelineConfig
+from lightning_pp.runtime.cut.layout import AutoLayout
 from lightning_pp.runtime.failure.errors import BatchMismatchError, NonFiniteError, PipelineCommError, PipelineError
 from lightning_pp.runtime.failure.watchdog import WATCHDOG_EXIT_CODE, WatchdogConfig
 from lightning_pp.runtime.step.executor import PipelineExecutor, StepResult
@@ -24,6 +25,7 @@ from lightning_pp.runtime.transport.p2p import StageBoundaryError
 from lightning_pp.runtime.topology import ParallelDims, Topology, build_topology
 
 __all__ = [
+    "AutoLayout",
     "BatchMismatchError",
     "NonFiniteError",
     "ParallelDims",

@@ -20,6 +20,8 @@ from lightning_pp.runtime.cut.partition import (
     layer_list,
     resolve_layout,
 )
+from lightning_pp.runtime.cut.layout import auto_layout_of
+from lightning_pp.runtime.measure import batch_to_measure, decide_layout
 from lightning_pp.runtime.layer import checkpointed_layers
 from lightning_pp.runtime.protocols import ExpertParallelLayer
 from lightning_pp.runtime.step.executor import PipelineExecutor
@@ -33,6 +35,7 @@ def build_pipeline(
     *,
     device: torch.device = torch.device("cpu"),
     topology: Optional[Topology] = None,
+    example_batch: Any = None,
     **options: Any,
 ) -> PipelineExecutor:
     """Validate the configuration, build the groups, cut ``module`` in place and return the
@@ -55,7 +58,11 @@ def build_pipeline(
     every stage the same batch. A module built on the meta device is materialised after the cut,
     only what this rank keeps, with the seed ``torch.initial_seed()`` (see
     :mod:`lightning_pp.runtime.cut.meta`). ``compile`` compiles this rank's layers in place, last
-    (see :mod:`lightning_pp.runtime.compiled`)."""
+    (see :mod:`lightning_pp.runtime.compiled`). ``layout="auto"`` measures every pipeline layer on one
+    microbatch of ``example_batch`` (a training batch, or a function returning one; default: the
+    module's ``pipeline_example_batch()``) on global rank 0 and cuts at the layout the simulator
+    predicts fastest, the same on every rank (see :mod:`lightning_pp.runtime.measure`); the choice
+    is ``executor.layout_choice``."""
     resolved = config if isinstance(config, ResolvedPipeline) else None
     if resolved is not None and options:
         raise TypeError(f"build_pipeline got options {sorted(options)} with an already resolved pipeline: set them "
@@ -69,12 +76,20 @@ def build_pipeline(
         world_size = topology.dims.world_size if topology is not None else torch.distributed.get_world_size()
         resolved = config.resolve(world_size)
     schedule = resolved.schedule
-    if topology is None:
+    auto = auto_layout_of(config.layout)
+    if auto is not None:  # checked before any group exists
+        example_batch = batch_to_measure(module, config.layout, len(layers), schedule.num_stages, example_batch)
+    elif topology is None:
         resolve_layout(config.layout, len(layers), schedule.num_stages)  # before any group exists
+    if topology is None:
         topology = build_topology(schedule.pp, config.expert_parallel_size, device.type)
     for i in recomputed:
         layers[i]._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
-    partition = cut_model(module, schedule.pp, schedule.vp, topology.pp_rank, config.layout, layers=layers,
+    choice = None if auto is None else decide_layout(
+        module, layers, schedule, example_batch, device, auto.memory_budget, auto.repeats,
+        topology.dp if config.data_parallel_sharding == "full" else 1)
+    layout = config.layout if choice is None else choice.layout
+    partition = cut_model(module, schedule.pp, schedule.vp, topology.pp_rank, layout, layers=layers,
                           placement=schedule.placement)
     setup_expert_parallel(partition, topology, device)
     sharding = None
@@ -90,6 +105,7 @@ def build_pipeline(
     compile_pipeline_layers([layer for chunk in partition.chunks for layer in chunk.layers], config.compile,
                             schedule.spec.splits_backward)
     executor = PipelineExecutor(module, partition, topology, resolved, device=device, sharding=sharding)
+    executor.layout_choice = choice  # layout="auto": what was chosen and why (None otherwise)
     module._lpp_executor = executor  # not a submodule: a plain attribute (see executor_of)
     return executor
 

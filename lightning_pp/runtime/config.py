@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 from lightning_pp.runtime.compiled import CompileOption, check_compile_option
-from lightning_pp.runtime.cut.layout import Layout
+from lightning_pp.runtime.cut.layout import Layout, check_layout_option
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.layer import CheckpointPolicy, checkpointed_layers
 from lightning_pp.runtime.step.sharding import DataParallelSharding, check_sharding_mode
@@ -65,7 +65,9 @@ class PipelineConfig:
     ``"zb1p"`` (ZB-H1), ``"zbv"`` or ``"dualpipev"`` (two chunks per rank, stages in a V); or one
     registered with ``lightning_pp.schedules.register_schedule``."""
     layout: Layout = None
-    """Layers per virtual stage, as a list or a Megatron-style string; default: balanced."""
+    """Layers per virtual stage: a list or a Megatron-style string; default: balanced; ``"auto"`` (or an
+    :class:`~lightning_pp.runtime.cut.layout.AutoLayout` with a memory budget): chosen from each layer's
+    measured costs and memory by the schedule's simulator (see :mod:`lightning_pp.runtime.measure`)."""
     microbatch_group_size: Optional[int] = None
     """Interleaved grouping of microbatches; default: the pipeline size."""
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
@@ -110,6 +112,7 @@ class PipelineConfig:
         check_batch_policy(self.check_batches, self.broadcast_batches)
         check_sharding_mode(self.data_parallel_sharding)
         check_compile_option(self.compile)
+        check_layout_option(self.layout)
         schedule_spec(self.schedule)  # a known schedule (names them otherwise)
         if not isinstance(self.static_shapes, bool):
             raise ValueError(f"static_shapes={self.static_shapes!r} is invalid: pass True or False.")

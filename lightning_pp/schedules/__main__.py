@@ -5,6 +5,7 @@
     python -m lightning_pp.schedules --pp 8 --plot timeline.png --trace trace.json
     python -m lightning_pp.schedules --pp 4 --schedule zbv --microbatches 8
     python -m lightning_pp.schedules --pp 2 --stage-costs "1,2;1.4,2.6"   # a last stage 30 % heavier
+    python -m lightning_pp.schedules --pp 4 --costs costs.json --layout auto   # layers per stage from a cost file
 
 Invalid configurations print the validation message and exit with status 2.
 """
@@ -18,6 +19,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from lightning_pp.schedules.auto_layout import LayerCosts, LayoutChoice, choose_layout, evaluate_layout, even_layout
 from lightning_pp.schedules.costs import CostModel, StageCost
 from lightning_pp.schedules.plot import plot_timeline
 from lightning_pp.schedules.render import ascii_timeline, chrome_trace, stats_table
@@ -65,6 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute prices per virtual stage, in stage order, replacing --forward/--backward/--weight-grad: "
         "'forward,backward[,weight_grad]' for each of the pp * vp stages, separated by ';'",
     )
+    costs.add_argument(
+        "--costs", metavar="PATH", default=None,
+        help="a cost file: per-layer (or per-stage) times and bytes, as lightning_pp measures them "
+        "(layout='auto' at setup, PipelineMonitor(write_costs=True)); the stages' prices follow from --layout",
+    )
+    costs.add_argument(
+        "--layout", default=None, metavar="auto|even|N,N,...",
+        help="with --costs: 'auto' (the layout this schedule's simulator predicts fastest, what layout='auto' "
+        "chooses), 'even', or layers per virtual stage, e.g. 3,2,2,1 (default: auto)",
+    )
+    costs.add_argument("--memory-budget", type=float, default=None, metavar="BYTES",
+                       help="with --layout auto: the bytes each rank may hold")
     costs.add_argument("--a2a-forward", type=float, default=0.0, help="expert all-to-all time in each forward")
     costs.add_argument("--a2a-backward", type=float, default=0.0, help="expert all-to-all time in each backward")
     costs.add_argument("--p2p-latency", type=float, default=0.0, help="stage-boundary message latency (alpha)")
@@ -93,6 +107,42 @@ def parse_stage_costs(text: str) -> tuple[StageCost, ...]:
             )
         stages.append(StageCost(*numbers))
     return tuple(stages)
+
+
+def layout_from_costs(cfg, args, base: CostModel) -> tuple[CostModel, Optional[LayoutChoice], list]:
+    """``--costs`` / ``--layout``: the cost model with each virtual stage's prices summed over its
+    layers, the choice when the layout is ``auto`` (else ``None``), and the layout."""
+    if args.costs is None:
+        if args.layout is not None or args.memory_budget is not None:
+            raise ValueError("--layout and --memory-budget need --costs PATH: a cost file of per-layer times and "
+                             "bytes (written by PipelineMonitor(write_costs=True), or measured by layout='auto').")
+        return base, None, []
+    if args.stage_costs:
+        raise ValueError("--stage-costs and --costs both give the stages' prices: pass one of them.")
+    layer_costs = LayerCosts.load(args.costs)
+    spec = (args.layout or "auto").strip().lower()
+    if spec == "auto":
+        choice = choose_layout(cfg, layer_costs, args.memory_budget, base)
+        return CostModel(**{**_fields(base), "stages": choice.chosen.stage_costs}), choice, choice.layout
+    if args.memory_budget is not None:
+        raise ValueError("--memory-budget applies to --layout auto only.")
+    if spec == "even":
+        layout = even_layout(len(layer_costs.layers), cfg.num_stages)
+    else:
+        try:
+            layout = [int(x) for x in spec.split(",")]
+        except ValueError:
+            layout = []
+    if len(layout) != cfg.num_stages or min(layout, default=0) < 1 or sum(layout) != len(layer_costs.layers):
+        raise ValueError(f"--layout={args.layout!r} is invalid: give 'auto', 'even', or {cfg.num_stages} layer counts "
+                         f">= 1 (pp * vp virtual stages) summing to the cost file's {len(layer_costs.layers)} layers, "
+                         f"separated by commas, e.g. {','.join(map(str, even_layout(len(layer_costs.layers), cfg.num_stages)))}.")
+    estimate = evaluate_layout(cfg, layer_costs.layers, layout, base)
+    return CostModel(**{**_fields(base), "stages": estimate.stage_costs}), None, layout
+
+
+def _fields(costs: CostModel) -> dict:
+    return {name: getattr(costs, name) for name in costs.__dataclass_fields__}
 
 
 def _json_report(cfg, result) -> dict:
@@ -143,6 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             dp_bandwidth=args.dp_bandwidth,
             stages=parse_stage_costs(args.stage_costs) if args.stage_costs else (),
         )
+        costs, choice, layout = layout_from_costs(cfg, args, costs)
         result = simulate(cfg, costs)
         timeline = ascii_timeline(result, cfg.pp, args.width) if args.format == "text" else None
     except ValueError as err:
@@ -151,7 +202,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         if args.format == "json":
-            json.dump(_json_report(cfg, result), sys.stdout)
+            report = _json_report(cfg, result)
+            if layout:
+                report["layout"] = layout
+            if choice is not None:
+                report["auto_layout"] = choice.to_dict()
+            json.dump(report, sys.stdout)
             sys.stdout.write("\n")
         else:
             print(
@@ -160,6 +216,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 + (f" placement=v (chunk 0 of rank r is stage r, chunk 1 is stage {2 * cfg.pp - 1} - r)"
                    if cfg.placement == "v" else "")
             )
+            if choice is not None:
+                print(choice.describe())
+            elif layout:
+                print(f"layers per virtual stage {layout}")
             print(timeline)
             print()
             print(stats_table(result))

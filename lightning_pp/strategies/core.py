@@ -128,8 +128,9 @@ class PipelineEngine:
         if watchdog is not None:
             watchdog.forget()
 
-    def setup_module(self, module: nn.Module, device: torch.device) -> PipelineExecutor:
-        """Cut ``module`` for this rank (once; a module already cut is reused)."""
+    def setup_module(self, module: nn.Module, device: torch.device, example_batch: Any = None) -> PipelineExecutor:
+        """Cut ``module`` for this rank (once; a module already cut is reused). ``example_batch``:
+        what ``layout="auto"`` measures on (see ``build_pipeline``)."""
         existing = find_executor(module)
         if existing is not None:
             self.executor = existing
@@ -138,6 +139,8 @@ class PipelineEngine:
         self.setup_topology(device.type)
         self.model_parameters = sum(p.numel() for p in module.parameters())  # the whole model's, before the cut
         executor = build_pipeline(module, self.resolved, device=device, topology=self.topology)
+        executor = build_pipeline(module, self.resolved, device=device, topology=self.topology,
+                                  example_batch=example_batch)
         _log.info("lightning_pp: rank %s holds layers %s (layers per virtual stage %s)", self.topology.describe(),
                   [f"{c.first_layer}..{c.first_layer + len(c.layers) - 1}" for c in executor.partition.chunks],
                   executor.partition.layout)

@@ -124,4 +124,24 @@ def data_parallel_world(dims: Any, global_rank: int, num_nodes: int) -> DataPara
     return DataParallelWorld(dims.dp, dims.coordinates(global_rank)["dp"], max(1, nodes))
 
 
-__all__ = ["DataParallelWorld", "LitdataSharding", "data_parallel_world"]
+def first_training_batch(trainer) -> Any:
+    """What ``layout="auto"`` measures on when fitting a module without ``pipeline_example_batch``:
+    a function returning the first batch of the training dataloader (called on global rank 0 only,
+    and only for ``layout="auto"``); ``None`` otherwise."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    module = trainer.lightning_module
+    if trainer.state.fn != TrainerFn.FITTING or callable(getattr(module, "pipeline_example_batch", None)):
+        return None
+
+    def first_batch() -> Any:
+        from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+        loader = trainer.fit_loop._data_source.dataloader()  # the user's train_dataloader(), as the fit loop asks
+        batch, _, _ = next(iter(CombinedLoader(loader, "max_size_cycle")))
+        return batch
+
+    return first_batch
+
+
+__all__ = ["DataParallelWorld", "LitdataSharding", "data_parallel_world", "first_training_batch"]

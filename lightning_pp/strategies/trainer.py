@@ -38,7 +38,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
-from lightning_pp.strategies import checkpoint as ckpt
+from lightning_pp.strategies import checkpoint as ckpt, data
 from lightning_pp.runtime.step.microbatch import batch_size
 from lightning_pp.runtime.compiled import CompileOption
 from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig, arguments_docstring
@@ -143,7 +143,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
-        self.engine.setup_module(self.lightning_module, self.root_device)
+        self.engine.setup_module(self.lightning_module, self.root_device, example_batch=data.first_training_batch(trainer))
         # Again: what was materialised from the meta device after the cut (e.g. a rotary cache its
         # reset_parameters computes in float32) takes the precision's dtype, as on one device.
         self.precision_plugin.convert_module(self.model)

@@ -1,12 +1,66 @@
 """How many pipeline layers each virtual stage holds: even by default, or the user's ``layout``
-(a list of counts or a Megatron-style string)."""
+(a list of counts or a Megatron-style string), or ``"auto"`` / :class:`AutoLayout` (measured and
+chosen before the cut, see :mod:`lightning_pp.runtime.measure`)."""
 
 from __future__ import annotations
 
 import re
-from typing import Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
 
-Layout = Union[None, str, Sequence[int]]
+from lightning_pp.schedules.auto_layout import even_layout
+
+
+@dataclass(frozen=True)
+class AutoLayout:
+    """``layout="auto"`` with its options: the layout chosen from each pipeline layer's measured
+    costs and memory (:mod:`lightning_pp.runtime.measure`, :mod:`lightning_pp.schedules.auto_layout`).
+
+    ``memory_budget``: bytes each rank may hold (parameters, gradients, optimizer state,
+    activations in flight), or ``None`` for no limit; no layout under it is an error naming the
+    smallest peak a layout reaches. ``repeats``: timed runs per distinct layer (the median is taken)."""
+
+    memory_budget: Optional[float] = None
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        budget = self.memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
+            raise ValueError(f"AutoLayout(memory_budget={budget!r}) is invalid: give the bytes each rank may hold "
+                             f"(> 0, e.g. 40e9), or None for no limit.")
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"AutoLayout(repeats={self.repeats!r}) is invalid: give the timed runs per layer (>= 1).")
+
+
+Layout = Union[None, str, Sequence[int], AutoLayout]
+AUTO = "auto"
+
+
+def auto_layout_of(layout: Any) -> Optional[AutoLayout]:
+    """The :class:`AutoLayout` that ``layout`` asks for (``"auto"`` is ``AutoLayout()``), or ``None``."""
+    if isinstance(layout, AutoLayout):
+        return layout
+    if isinstance(layout, str) and layout.strip().lower() == AUTO:
+        return AutoLayout()
+    return None
+
+
+def check_layout_option(layout: Any) -> None:
+    """Raise ``ValueError`` for a ``layout`` option of the wrong form (before any group exists):
+    ``"auto"`` mixed into a list of counts is refused by name."""
+    if layout is None or isinstance(layout, (str, AutoLayout)):
+        return
+    try:
+        items = list(layout)
+    except TypeError:
+        raise ValueError(f"layout={layout!r} is invalid: give None (even), a list of layer counts per virtual stage, "
+                         f"a Megatron-style string, or 'auto'.") from None
+    if any(isinstance(item, AutoLayout) or (isinstance(item, str) and item.strip().lower() == AUTO) for item in items):
+        raise ValueError(f"layout={layout!r} mixes 'auto' with a list-valued layout: 'auto' chooses every stage's "
+                         f"layer count itself. Give layout='auto' alone, or a list of layer counts without 'auto'.")
+    if any(isinstance(item, bool) or not isinstance(item, int) for item in items):
+        raise ValueError(f"layout={layout!r} is invalid: a list-valued layout holds one integer layer count per "
+                         f"virtual stage, e.g. [3, 2, 2, 3].")
 
 
 def balanced_layout(num_layers: int, num_stages: int) -> list[int]:
@@ -17,8 +71,7 @@ def balanced_layout(num_layers: int, num_stages: int) -> list[int]:
             f"(pipeline_parallel_size * virtual_pipeline_size): every stage needs at least one layer. "
             f"Use pipeline_parallel_size * virtual_pipeline_size <= {num_layers}."
         )
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+    return even_layout(num_layers, num_stages)
 
 
 _REPEAT = re.compile(r"\(([^()]*)\)\*(\d+)")
@@ -48,6 +101,11 @@ def resolve_layout(layout: Layout, num_layers: int, num_stages: int) -> list[int
     """Layer counts per virtual stage (stage order), validated against the model."""
     if layout is None:
         return balanced_layout(num_layers, num_stages)
+    if auto_layout_of(layout) is not None:
+        raise ValueError(
+            f"layout={layout!r} is chosen by measuring the model (build_pipeline and the strategies do that before "
+            f"the cut); here a layout of layer counts is needed: pass the chosen list, e.g. "
+            f"{balanced_layout(num_layers, num_stages) if num_layers >= num_stages else '...'}.")
     counts = parse_layout_string(layout) if isinstance(layout, str) else [int(c) for c in layout]
     if len(counts) != num_stages:
         raise ValueError(
