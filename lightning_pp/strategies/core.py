@@ -138,7 +138,6 @@ class PipelineEngine:
         check_protocol(module)
         self.setup_topology(device.type)
         self.model_parameters = sum(p.numel() for p in module.parameters())  # the whole model's, before the cut
-        executor = build_pipeline(module, self.resolved, device=device, topology=self.topology)
         executor = build_pipeline(module, self.resolved, device=device, topology=self.topology,
                                   example_batch=example_batch)
         _log.info("lightning_pp: rank %s holds layers %s (layers per virtual stage %s)", self.topology.describe(),
