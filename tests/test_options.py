@@ -44,6 +44,24 @@ def test_the_config_is_made_from_the_constructor_arguments():
         strategy.config = PipelineConfig()  # read-only: one configuration per strategy
 
 
+@pytest.mark.parametrize("cls", [PipelineStrategy, FabricPipelineStrategy])
+def test_every_constructor_argument_reaches_its_field(cls):
+    """Each option given a value other than its default arrives in the configuration under its
+    field: the constructors name every field (a new field without a value here fails the test)."""
+    import datetime
+
+    values = dict(pipeline_parallel_size=2, expert_parallel_size=2, virtual_pipeline_size=2, num_microbatches=6,
+                  schedule="interleaved", layout=[1, 2, 2, 1], microbatch_group_size=2,
+                  timeout=datetime.timedelta(seconds=7), nonfinite="skip", watchdog=False,
+                  activation_checkpointing=True, static_shapes=False, check_batches="warn", broadcast_batches=True,
+                  data_parallel_sharding="full", compile={"backend": "aot_eager"})
+    fields = dataclasses.fields(PipelineConfig)
+    assert sorted(values) == sorted(f.name for f in fields), "give every field a value here"
+    assert all(values[f.name] != f.default for f in fields)
+    strategy = cls(**{STRATEGY_NAMES.get(name, name): value for name, value in values.items()})
+    assert strategy.config == PipelineConfig(**values)
+
+
 def test_build_pipeline_takes_options_by_name_only():
     params = inspect.signature(build_pipeline).parameters
     assert [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD] == ["module", "config"]

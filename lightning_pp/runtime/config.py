@@ -146,12 +146,6 @@ class PipelineConfig:
             return cls(**options)
         return dataclasses.replace(config, **options) if options else config
 
-    @classmethod
-    def from_strategy_arguments(cls, arguments: dict) -> "PipelineConfig":
-        """The configuration of a strategy's constructor arguments (its ``locals()``): every field
-        by its name, ``timeout`` and ``watchdog`` by their strategy names (:data:`STRATEGY_NAMES`)."""
-        return cls(**{f.name: arguments[STRATEGY_NAMES.get(f.name, f.name)] for f in dataclasses.fields(cls)})
-
     @property
     def watchdog_config(self) -> WatchdogConfig:
         return self.watchdog if isinstance(self.watchdog, WatchdogConfig) else WatchdogConfig(enabled=self.watchdog)

@@ -100,7 +100,14 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self._engine = PipelineEngine(PipelineConfig.from_strategy_arguments(locals()))  # checked here
+        config = PipelineConfig(  # every option by name, so a reader (or a tool) can follow each one
+            pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size,
+            virtual_pipeline_size=virtual_pipeline_size, num_microbatches=num_microbatches, schedule=schedule,
+            layout=layout, microbatch_group_size=microbatch_group_size, timeout=pipeline_timeout, nonfinite=nonfinite,
+            watchdog=pipeline_watchdog, activation_checkpointing=activation_checkpointing, static_shapes=static_shapes,
+            check_batches=check_batches, broadcast_batches=broadcast_batches,
+            data_parallel_sharding=data_parallel_sharding, compile=compile)
+        self._engine = PipelineEngine(config)  # checked when made
         self._last_step_skipped = False
 
     # -- checkpoints are restored after setup, into the cut model -------------------------------
