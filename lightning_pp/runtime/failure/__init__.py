@@ -1,5 +1,5 @@
-"""Making one rank's failure every rank's clear error, in bounded time: the overview, and every
-name of the failure handling in one import (the code lives in the modules listed below).
+"""Making one rank's failure every rank's clear error, in bounded time: the overview, and where
+each name of the failure handling lives (import it from its module, listed below).
 
 Three mechanisms, all through the job's key-value store (the ``TCPStore`` every
 ``torch.distributed`` job already has), none adding a collective to the step:
