@@ -1,6 +1,6 @@
 """zb_compiled_backward_ratio: a compiled block's zero-bubble B + W time over its whole backward
 (issue 23). The block: three 1024-wide linears with GELUs, batch 512, one thread, inductor. Both
-compiled ways side by side in one run: ``split`` (lightning_pp.runtime.compiled.compile_layer, whose
+compiled ways side by side in one run: ``split`` (lightning_pp.runtime.compile.layers.compile_layer, whose
 backward graph is cut into input- and weight-gradient parts) and ``torch`` (a plain
 ``Module.compile()``, donated buffers off so the retained graph runs: its W reruns the whole
 compiled backward). Medians over repeated steps.
@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from lightning_pp.runtime.compiled import compile_layer
+from lightning_pp.runtime.compile.layers import compile_layer
 from lightning_pp.runtime.plans.weight_grad import backward_input
 
 

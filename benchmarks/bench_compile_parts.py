@@ -58,7 +58,7 @@ def moe_block(args) -> dict:
     import torch
 
     from lightning_pp.moe import MoEBlock
-    from lightning_pp.runtime.compiled import compile_layer, compile_targets
+    from lightning_pp.runtime.compile.layers import compile_layer, compile_targets
 
     torch.manual_seed(0)
     block = MoEBlock(64, 4, 128, 4, 2)
@@ -80,7 +80,7 @@ def mlp_block(args) -> dict:
     import torch
 
     import bench_vs_torch as vs
-    from lightning_pp.runtime.compiled import compile_layer
+    from lightning_pp.runtime.compile.layers import compile_layer
 
     torch.manual_seed(0)
     block = vs._model_classes()(512, 1, 4).blocks[0]

@@ -157,7 +157,7 @@ def compile_step(args) -> dict:
     import copy
 
     from bench_compile_pipeline import main_job_model
-    from lightning_pp.runtime.compiled import compile_layer, compile_targets
+    from lightning_pp.runtime.compile.layers import compile_layer, compile_targets
 
     torch.manual_seed(0)
     eager = main_job_model()().to(DEVICE)

@@ -200,7 +200,7 @@ def reference_steps(model: nn.Module, batches, max_norm: Optional[float] = None)
 def pipelined_steps(executor, model: nn.Module, batches, max_norm: Optional[float] = None):
     """The same training through ``executor`` (each data-parallel rank takes its share of every
     batch: tensors and per-sample lists alike)."""
-    from lightning_pp.runtime.step.norm import clip_grad_norm_
+    from lightning_pp.runtime.dp.norm import clip_grad_norm_
 
     names, topo = executor.partition.parameter_names, executor.topology
     opt = adamw(model.parameters())

@@ -38,7 +38,7 @@ def _boundary_layer(model):
 
 def _change_at_microbatch_1(model, change, step=0):
     """``change`` the boundary output of microbatch 1 in step ``step``."""
-    from lightning_pp.runtime.plans.context import current
+    from lightning_pp.runtime.context import current
 
     layer = _boundary_layer(model)
     original = layer.forward

@@ -1,4 +1,4 @@
-"""Compiled layers under the zero-bubble split (lightning_pp.runtime.compiled): the runtime's B
+"""Compiled layers under the zero-bubble split (lightning_pp.runtime.compile.layers): the runtime's B
 computes only input gradients, its W only weight gradients, together equal to one eager backward
 and with no matmul computed twice."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_pp.runtime.compiled import compile_layer
+from lightning_pp.runtime.compile.layers import compile_layer
 from lightning_pp.runtime.plans.weight_grad import backward_input
 
 

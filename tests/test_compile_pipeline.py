@@ -63,7 +63,7 @@ def _new_sizes(executor, case, which):
 def _run(rank, world, cases):
     torch.set_num_threads(1)
     from lightning_pp.runtime import build_pipeline
-    from lightning_pp.runtime.compile_watch import compile_counts
+    from lightning_pp.runtime.compile.watch import compile_counts
 
     out = []
     for case in cases:

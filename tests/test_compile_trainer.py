@@ -98,8 +98,8 @@ def test_trainer_and_fabric_with_compiled_layers_equal_one_device_uncompiled(tmp
 
 
 def test_recompilation_after_warmup_warns_naming_function_and_guard():
-    from lightning_pp.runtime.compile_watch import CompileWatch
-    from lightning_pp.runtime.compiled import compile_layer
+    from lightning_pp.runtime.compile.watch import CompileWatch
+    from lightning_pp.runtime.compile.layers import compile_layer
 
     class Scaled(torch.nn.Module):  # a class of its own: no other test's cached graphs for its code
         def __init__(self):

@@ -39,7 +39,7 @@ def _rows(p):
     """(first global row held here, the tensor) of a stacked expert parameter; (None, it) of any other."""
     from lightning_pp.runtime.cut.stacked import stacked_rows
 
-    from lightning_pp.runtime.step.sharded_grads import is_dtensor
+    from lightning_pp.runtime.dtensors import is_dtensor
 
     shard = stacked_rows(p)  # (with FSDP2 the rows are gathered: a DTensor's whole is the rank's rows)
     return (shard.start if shard else None), (p.full_tensor() if is_dtensor(p) else p).detach().clone()
@@ -297,8 +297,8 @@ def test_compile_compiles_an_hf_moe_layers_parts_and_keeps_its_numbers():
     router: compile_parts), not the HF decoder layer it holds, whose own forward never runs;
     aot_eager keeps eager's kernels, so outputs and gradients are equal bit for bit."""
     from lightning_pp.integrations import hf
-    from lightning_pp.runtime.compile_watch import compile_counts
-    from lightning_pp.runtime.compiled import compile_pipeline_layers
+    from lightning_pp.runtime.compile.watch import compile_counts
+    from lightning_pp.runtime.compile.layers import compile_pipeline_layers
 
     torch._dynamo.reset()
     compiled, eager = make_hf("qwen3_moe"), make_hf("qwen3_moe")

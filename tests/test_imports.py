@@ -11,6 +11,22 @@ PACKAGE = ROOT / "lightning_pp"
 # DESIGN.md's layers, bottom up; a module may import its own layer and the ones below.
 LAYERS = {"schedules": 0, "runtime": 1, "moe": 2, "callbacks": 3, "integrations": 3, "strategies": 4}
 NO_LIGHTNING = ("schedules", "runtime", "moe")
+# The rooms inside runtime/ (a top-level module or a sub-package), bottom up (docs/architecture.md):
+# a runtime module may import its own floor and the ones below. A new room gets a floor here.
+RUNTIME_FLOORS = [
+    ("protocols", "process", "topology", "timeline", "context", "dtensors", "layer"),
+    ("failure",),    # one rank's failure made every rank's clear error
+    ("transport",),  # stage-boundary transfers, bounded waits
+    ("plans",),      # schedule-plan nodes, the zero-bubble split
+    ("cut",),        # cutting a model into chunks, layouts
+    ("dp",),         # data-parallel machinery: gradient reductions, sharding, the norm
+    ("compile",),    # compile=
+    ("config",),     # PipelineConfig, ResolvedPipeline
+    ("step",),       # the step loop and what one action does
+    ("measure",),    # layout="auto"'s measurements
+    ("build",),      # build_pipeline: assembles everything
+]
+RUNTIME_FLOOR = {room: floor for floor, rooms in enumerate(RUNTIME_FLOORS) for room in rooms}
 
 
 def _modules() -> dict[str, Path]:
@@ -110,6 +126,23 @@ def test_no_module_imports_a_higher_layer():
     assert upward == []
 
 
+def _runtime_room(module: str):
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "runtime" else None
+
+
+def test_every_runtime_room_has_a_floor():
+    rooms = {_runtime_room(m) for m in _modules()} - {None}
+    assert sorted(rooms - set(RUNTIME_FLOOR)) == []
+
+
+def test_no_runtime_import_runs_back_up_between_its_rooms():
+    upward = [(a, b) for a, targets in _graph().items() for b in targets
+              if _runtime_room(a) in RUNTIME_FLOOR and _runtime_room(b) in RUNTIME_FLOOR
+              and RUNTIME_FLOOR[_runtime_room(b)] > RUNTIME_FLOOR[_runtime_room(a)]]
+    assert upward == []
+
+
 def test_the_lower_layers_do_not_import_lightning():
     offenders = []
     for name, path in _modules().items():
@@ -127,6 +160,8 @@ def test_the_checker_finds_a_cycle_and_an_upward_import():
     # the checker itself: a two-module cycle and a layer violation in a made-up graph
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     assert _layer("lightning_pp.strategies.core") > _layer("lightning_pp.runtime.build")
+    assert RUNTIME_FLOOR[_runtime_room("lightning_pp.runtime.step.executor")] > RUNTIME_FLOOR[
+        _runtime_room("lightning_pp.runtime.dp.sharding")]
 
 
 def test_no_test_module_imports_another():

@@ -65,7 +65,7 @@ def _misbehave_mid_step(rank, world, victim, how, marker, pp):
     import time
 
     from lightning_pp.runtime import WatchdogConfig, build_pipeline
-    from lightning_pp.runtime.plans.context import current
+    from lightning_pp.runtime.context import current
 
     torch.manual_seed(0)
     model = ToyRegressor(blocks=6)

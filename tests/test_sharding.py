@@ -81,7 +81,7 @@ def reference(case):
 
 def _pipelined(rank, world, cases):
     from lightning_pp.runtime import build_pipeline
-    from lightning_pp.runtime.step.norm import clip_grad_norm_
+    from lightning_pp.runtime.dp.norm import clip_grad_norm_
 
     out = []
     for case in cases:

@@ -103,7 +103,7 @@ def load_pretrained(model: nn.Module, path) -> dict:
     from safetensors import safe_open
 
     from lightning_pp.runtime.cut.stacked import stacked_rows
-    from lightning_pp.runtime.step.sharded_grads import is_dtensor, shard_like
+    from lightning_pp.runtime.dtensors import is_dtensor, shard_like
 
     files = _weight_files(path)
     plan = _read_plan(model, files)
@@ -144,7 +144,7 @@ def save_pretrained(model: nn.Module, path) -> None:
     rank 0 (which builds the model once on the CPU to write it). Collective."""
     import torch.distributed as dist
 
-    from lightning_pp.runtime.step.sharded_grads import is_dtensor
+    from lightning_pp.runtime.dtensors import is_dtensor
 
     mine = {name: (t.full_tensor() if is_dtensor(t) else t).detach().cpu()
             for name, t in model.state_dict().items() if not t.is_meta}

@@ -25,7 +25,7 @@ from torch import nn
 
 from lightning_pp.moe.parallel import ExpertParallelMoE
 from lightning_pp.moe.state import MoERouting
-from lightning_pp.runtime.plans import context
+from lightning_pp.runtime import context
 
 
 class CausalSelfAttention(nn.Module):

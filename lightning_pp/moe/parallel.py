@@ -43,7 +43,7 @@ from torch import nn
 
 from lightning_pp.moe.buffers import StagingPool, scatter_rows_into, stage_dispatch_bwd_grad
 from lightning_pp.moe.state import DispatchState, MoERouting
-from lightning_pp.runtime.plans import context
+from lightning_pp.runtime import context
 from lightning_pp.runtime.plans.nodes import LayerNodes
 from lightning_pp.runtime.cut.partition import drop_keys_held_elsewhere
 from lightning_pp.runtime.cut.stacked import shard_rows_of

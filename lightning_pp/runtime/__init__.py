@@ -1,15 +1,19 @@
 """Distributed pipeline runtime: topology, model cutting, stage boundaries, executor.
 
-Knows torch and torch.distributed, never Lightning. The package is organised by what it does:
+Knows torch and torch.distributed, never Lightning. Its rooms, bottom up (a room imports only its
+own floor and the ones below; tests/test_imports.py holds the order):
 
-* :mod:`~lightning_pp.runtime.build` (``build_pipeline``), :mod:`~lightning_pp.runtime.config`
-  (``PipelineConfig``), :mod:`~lightning_pp.runtime.topology` (process groups),
-  :mod:`~lightning_pp.runtime.layer` (how one layer runs), :mod:`~lightning_pp.runtime.protocols`
-  (what the runtime asks of modules), :mod:`~lightning_pp.runtime.timeline` (what a step recorded),
-  :mod:`~lightning_pp.runtime.process` (the few per-process facts);
-* ``step/``: the step loop and what one action does; ``cut/``: cutting a model into chunks;
-  ``transport/``: stage-boundary transfers and bounded waits; ``plans/``: fine-grained schedule
-  plans; ``failure/``: one rank's failure made every rank's clear error.
+* the ground: :mod:`~lightning_pp.runtime.protocols` (what the runtime asks of modules),
+  :mod:`~lightning_pp.runtime.process` (the per-process facts), :mod:`~lightning_pp.runtime.topology`
+  (process groups), :mod:`~lightning_pp.runtime.timeline` (what a step recorded),
+  :mod:`~lightning_pp.runtime.context` (what a layer may ask about the microbatch being run),
+  :mod:`~lightning_pp.runtime.dtensors`, :mod:`~lightning_pp.runtime.layer` (how one layer runs);
+* ``failure/`` (one rank's failure made every rank's clear error), ``transport/`` (stage-boundary
+  transfers, bounded waits), ``plans/`` (fine-grained schedule plans), ``cut/`` (cutting a model
+  into chunks), ``dp/`` (gradient reductions, sharding, the norm), ``compile/`` (``compile=``);
+* :mod:`~lightning_pp.runtime.config` (``PipelineConfig``), ``step/`` (the step loop and what one
+  action does), :mod:`~lightning_pp.runtime.measure` (``layout="auto"``),
+  :mod:`~lightning_pp.runtime.build` (``build_pipeline``, which assembles the executor's parts).
 
 What is importable from here is the runtime's public API, for scripts without Lightning.
 """
@@ -20,7 +24,7 @@ from lightning_pp.runtime.cut.layout import AutoLayout
 from lightning_pp.runtime.failure.errors import BatchMismatchError, NonFiniteError, PipelineCommError, PipelineError
 from lightning_pp.runtime.failure.watchdog import WATCHDOG_EXIT_CODE, WatchdogConfig
 from lightning_pp.runtime.step.executor import PipelineExecutor, StepResult
-from lightning_pp.runtime.step.grads import ParametersChangedError
+from lightning_pp.runtime.dp.grads import ParametersChangedError
 from lightning_pp.runtime.transport.p2p import StageBoundaryError
 from lightning_pp.runtime.topology import ParallelDims, Topology, build_topology
 

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_pp.runtime.compiled import compile_pipeline_layers
+from lightning_pp.runtime.compile.layers import compile_pipeline_layers
 from lightning_pp.runtime.config import PipelineConfig, ResolvedPipeline
 from lightning_pp.runtime.cut.meta import has_meta_tensors, materialize
 from lightning_pp.runtime.cut.partition import (
@@ -25,7 +25,7 @@ from lightning_pp.runtime.measure import batch_to_measure, decide_layout
 from lightning_pp.runtime.layer import checkpointed_layers
 from lightning_pp.runtime.protocols import ExpertParallelLayer
 from lightning_pp.runtime.step.executor import PipelineExecutor
-from lightning_pp.runtime.step.sharding import shard_stage
+from lightning_pp.runtime.dp.sharding import shard_stage
 from lightning_pp.runtime.topology import Topology, build_topology
 
 
@@ -58,7 +58,7 @@ def build_pipeline(
     every stage the same batch. A module built on the meta device is materialised after the cut,
     only what this rank keeps, with the seed ``torch.initial_seed()`` (see
     :mod:`lightning_pp.runtime.cut.meta`). ``compile`` compiles this rank's layers in place, last
-    (see :mod:`lightning_pp.runtime.compiled`). ``layout="auto"`` measures every pipeline layer on one
+    (see :mod:`lightning_pp.runtime.compile.layers`). ``layout="auto"`` measures every pipeline layer on one
     microbatch of ``example_batch`` (a training batch, or a function returning one; default: the
     module's ``pipeline_example_batch()``) on global rank 0 and cuts at the layout the simulator
     predicts fastest, the same on every rank (see :mod:`lightning_pp.runtime.measure`); the choice

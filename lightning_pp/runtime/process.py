@@ -15,7 +15,7 @@ every executor of the process:
   (``lightning_pp.strategies``).
 
 Everything else a layer needs is passed to it explicitly; what it may ask about the microbatch
-being run is :mod:`lightning_pp.runtime.plans.context`. Tests that start another job in the same
+being run is :mod:`lightning_pp.runtime.context`. Tests that start another job in the same
 process call :func:`reset`.
 """
 

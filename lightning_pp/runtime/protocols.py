@@ -18,7 +18,7 @@ expert-parallel layers' ``expert_list()``), ``layer._lpp_checkpoint`` (a
 layer recomputed in backward), ``module._lpp_executor`` (the module's executor: use
 :func:`lightning_pp.runtime.executor_of`). What the runtime tells layers about the microbatch being
 run (its loss weight for auxiliary losses, the timeline, the bounded wait) is
-:func:`lightning_pp.runtime.plans.context.current`.
+:func:`lightning_pp.runtime.context.current`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from lightning_pp.runtime.cut.partition import check_protocol
 from lightning_pp.runtime.step.executor import PipelineExecutor, StepResult
 from lightning_pp.runtime.topology import build_topology
 from lightning_pp.runtime.config import PipelineConfig, ResolvedPipeline
-from lightning_pp.runtime.step.norm import clip_grad_norm_, grad_norm
+from lightning_pp.runtime.dp.norm import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.failure.guard import failure_seen_in_process
 from lightning_pp.runtime.step.microbatch import batch_size, map_tensors
 from lightning_pp.strategies.data import DataParallelWorld, LitdataSharding, data_parallel_world

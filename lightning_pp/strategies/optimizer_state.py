@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_pp.runtime.build import find_executor
 from lightning_pp.runtime.cut.stacked import as_global, global_shape, local_rows, stacked_rows
-from lightning_pp.runtime.step.sharded_grads import is_dtensor, shard_like
+from lightning_pp.runtime.dtensors import is_dtensor, shard_like
 
 PARAM_ORDER_RULE = (
     "A checkpoint's optimizer state is matched to parameters by position, as on one device: "

@@ -40,9 +40,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.strategies import checkpoint as ckpt, data
 from lightning_pp.runtime.step.microbatch import batch_size
-from lightning_pp.runtime.compiled import CompileOption
+from lightning_pp.runtime.compile.layers import CompileOption
 from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig, arguments_docstring
-from lightning_pp.runtime.step.sharding import DataParallelSharding
+from lightning_pp.runtime.dp.sharding import DataParallelSharding
 from lightning_pp.runtime.cut.layout import Layout
 from lightning_pp.runtime.layer import CheckpointPolicy
 from lightning_pp.strategies.core import LIGHTNING_ARGUMENTS, PipelineEngine, PipelineStrategyMixin

@@ -64,7 +64,7 @@ def global_shape(param: torch.Tensor) -> torch.Size:
 
 
 def _is_dtensor(t: Any) -> bool:
-    from lightning_pp.runtime.step.sharded_grads import is_dtensor
+    from lightning_pp.runtime.dtensors import is_dtensor
 
     return is_dtensor(t)
 
@@ -108,7 +108,7 @@ def local_rows(param: torch.Tensor, value: Any) -> Any:
     if value.dim() and value.shape[0] == shard.total and value.shape[1:] == param.shape[1:]:
         value = value.narrow(0, shard.start, shard.rows)
         if _is_dtensor(param):  # FSDP2 shards the rows again: this rank's part of them
-            from lightning_pp.runtime.step.sharded_grads import shard_like
+            from lightning_pp.runtime.dtensors import shard_like
 
             value = shard_like(param, value)
     return value

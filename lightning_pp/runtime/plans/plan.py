@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from lightning_pp.runtime.plans import context
+from lightning_pp.runtime import context
 from lightning_pp.runtime.transport.waits import wait_for
 from lightning_pp.runtime.plans.weight_grad import deferred_weights, engine_backward
 from lightning_pp.runtime.process import state

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from lightning_pp.runtime.plans import context
+from lightning_pp.runtime import context
 
 
 _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentrant=True)

@@ -7,7 +7,7 @@ One training step:
    backward or both of one (microbatch, chunk) (:mod:`lightning_pp.runtime.step.stage`, over an
    explicit :class:`~lightning_pp.runtime.step.stage.StepState`);
 3. data-parallel reductions are launched as each chunk finishes its backward
-   (:mod:`lightning_pp.runtime.step.grads`);
+   (:mod:`lightning_pp.runtime.dp.grads`);
 4. one all-reduce gives every rank the batch loss, the normaliser, the inf/nan flags and the batch
    fingerprints, and every rank decides alike (:mod:`lightning_pp.runtime.step.loss`); the gradients
    are divided by the global count.
@@ -28,13 +28,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_pp.runtime.compile_watch import CompileWatch
+from lightning_pp.runtime.compile.watch import CompileWatch
 from lightning_pp.runtime.config import ResolvedPipeline
 from lightning_pp.runtime.failure.diagnosis import Diagnosis
 from lightning_pp.runtime.failure.board import FailureBoard, Position
 from lightning_pp.runtime.failure.errors import NonFiniteError
 from lightning_pp.runtime.failure.watchdog import watchdog_for
-from lightning_pp.runtime.step.grads import GradientSync
+from lightning_pp.runtime.dp.grads import GradientSync
 from lightning_pp.runtime.failure.guard import StepGuard
 from lightning_pp.runtime.step.loss import StepEnd
 from lightning_pp.runtime.step.microbatch import batch_fingerprint, batch_size, broadcast_batch, split_microbatches, tensors_in
@@ -43,7 +43,7 @@ from lightning_pp.runtime.cut.partition import Partition, default_pipeline_input
 from lightning_pp.runtime.plans.plan import set_streams
 from lightning_pp.runtime.protocols import HoldsResources, StepObserver
 from lightning_pp.runtime.step.rng import StageRNG
-from lightning_pp.runtime.step.sharding import StageSharding, adopt_user_sharding, shard_stage
+from lightning_pp.runtime.dp.sharding import StageSharding, adopt_user_sharding, shard_stage
 from lightning_pp.runtime.step.stage import StageRunner, StepState
 from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
@@ -125,7 +125,7 @@ class PipelineExecutor:
         self.p2p = PointToPoint(topology.pp_group, topology.global_rank, device, self.timeout, topology.describe,
                                 timeline=self.timeline, position=self.position)
         self.wait_collective = BoundedWait(self.timeout, topology.describe, self.position)
-        # Sharded data parallelism (runtime.step.sharding): the user's own fully_shard units, adopted
+        # Sharded data parallelism (runtime.dp.sharding): the user's own fully_shard units, adopted
         # as they are, or (data_parallel_sharding="full") the layers sharded here, after the replicas
         # took dp rank 0's values (a sharded parameter's shards are its only copy).
         # (``sharding``: the layers build_pipeline sharded as it materialised them from the meta device.)

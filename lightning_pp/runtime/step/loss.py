@@ -47,27 +47,6 @@ def normalise_loss(value: Any, samples: int) -> tuple[torch.Tensor, torch.Tensor
     return value.reshape(()) * samples, torch.tensor(float(samples), dtype=torch.float64)
 
 
-def grads_nonfinite(grads, device: torch.device) -> torch.Tensor:
-    """1.0 if any of ``grads`` (``None`` for no gradient) holds inf/nan, else 0.0, computed on the device (no
-    sync). Uses AMP's fused check (what ``GradScaler`` runs every step): one pass over the
-    gradients, exact (no overflow as with a norm), and its "unscale" by exactly 1.0 leaves every
-    value unchanged."""
-    found = torch.zeros(1, dtype=torch.float32, device=device)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        if grad is None:
-            continue
-        if grad.is_sparse:
-            found += (~torch.isfinite(grad.coalesce().values())).any().float()
-        else:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-    if by_dtype:
-        one = torch.ones(1, dtype=torch.float32, device=device)
-        for grads in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-    return found[0].clamp(max=1.0).to(torch.float64)
-
-
 @dataclass
 class StepTotals:
     """What the end-of-step all-reduce decided, the same on every rank."""

@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from lightning_pp.runtime.plans.context import microbatch_context
+from lightning_pp.runtime.context import microbatch_context
 from lightning_pp.runtime.failure.errors import PipelineCommError
 from lightning_pp.runtime.step.loss import normalise_loss
 from lightning_pp.runtime.step.microbatch import batch_size, map_tensors

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any, Optional, Sequence
 
-from lightning_pp.runtime.plans import context
+from lightning_pp.runtime import context
 from lightning_pp.runtime.timeline import SpanKind
 
 

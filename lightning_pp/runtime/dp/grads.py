@@ -21,12 +21,33 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_pp.runtime.cut.partition import Partition, tie_groups_for
-from lightning_pp.runtime.step.loss import grads_nonfinite
-from lightning_pp.runtime.step.sharded_grads import ShardedBucket, is_dtensor
-from lightning_pp.runtime.step.sharded_grads import local as local_of
-from lightning_pp.runtime.step.sharding import StageSharding
+from lightning_pp.runtime.dp.sharded_grads import ShardedBucket
+from lightning_pp.runtime.dtensors import is_dtensor
+from lightning_pp.runtime.dtensors import local as local_of
+from lightning_pp.runtime.dp.sharding import StageSharding
 from lightning_pp.runtime.topology import Topology
 from lightning_pp.schedules import WEIGHT_GRAD, Action
+
+
+def grads_nonfinite(grads, device: torch.device) -> torch.Tensor:
+    """1.0 if any of ``grads`` (``None`` for no gradient) holds inf/nan, else 0.0, computed on the device (no
+    sync). Uses AMP's fused check (what ``GradScaler`` runs every step): one pass over the
+    gradients, exact (no overflow as with a norm), and its "unscale" by exactly 1.0 leaves every
+    value unchanged."""
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            found += (~torch.isfinite(grad.coalesce().values())).any().float()
+        else:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    if by_dtype:
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+    return found[0].clamp(max=1.0).to(torch.float64)
 
 
 def is_expert_parameter(param: torch.nn.Parameter) -> bool:
@@ -116,7 +137,7 @@ class GradientSync:
         self._index()
 
     def adopt_sharding(self, sharding: Optional[StageSharding]) -> None:
-        """The chunks' parameters were sharded (``runtime.step.sharding``): index the new ones."""
+        """The chunks' parameters were sharded (``runtime.dp.sharding``): index the new ones."""
         self.sharding = sharding
         self._index()
 

@@ -14,7 +14,7 @@ is not one forward and one backward:
 * **reduced once per chunk, as soon as it can be**: FSDP's own reduction is switched off
   (``set_requires_gradient_sync(False)``: the unsharded gradients accumulate over the
   microbatches); when a chunk's last backward (its last ``W`` under the zero-bubble schedules) is
-  done, :class:`~lightning_pp.runtime.step.grads.GradientSync` reduce-scatters its gradients
+  done, :class:`~lightning_pp.runtime.dp.grads.GradientSync` reduce-scatters its gradients
   asynchronously (with the presence counts that keep ``grad = None`` exact, and the pipeline's own
   global normalisation) and the chunk's units reshard, freeing the gathered parameters and their
   gradients while the other chunks still work. Torch's pipelining reduces a stage's gradients
@@ -36,7 +36,7 @@ from torch import nn
 
 from lightning_pp.runtime.cut.stacked import stacked_rows
 from lightning_pp.runtime.protocols import ExpertParallelLayer
-from lightning_pp.runtime.step.sharded_grads import is_dtensor
+from lightning_pp.runtime.dtensors import is_dtensor
 from lightning_pp.runtime.timeline import SpanKind, Timeline
 from lightning_pp.runtime.topology import Topology
 

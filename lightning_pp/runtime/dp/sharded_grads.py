@@ -1,5 +1,4 @@
-"""The gradients of sharded parameters (``runtime.step.sharding``): a chunk's reduce-scatter, and
-DTensor helpers the reductions, the norm and the checkpoints share."""
+"""The gradients of sharded parameters (``runtime.dp.sharding``): a chunk's reduce-scatter."""
 
 from __future__ import annotations
 
@@ -11,40 +10,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_pp.runtime.timeline import SpanKind
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (a DTensor's local shard, a plain tensor itself)."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def shard_rows(full_rows: int, world: int, rank: int) -> tuple[int, int]:
-    """``(start, rows)`` of ``rank``'s shard of a dim-0 length ``full_rows`` sharded over ``world``
-    (``torch.chunk``'s split, which FSDP2 uses: ``ceil(n / world)`` rows each, the last ones short
-    or empty)."""
-    per = math.ceil(full_rows / world) if full_rows else 0
-    start = min(full_rows, per * rank)
-    return start, min(per, full_rows - start)
-
-
-def shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """``full`` (a whole tensor of ``param``'s global shape, the same on every rank) as a DTensor
-    laid out like the sharded ``param``: this rank's rows, no communication."""
-    from torch.distributed.tensor import DTensor
-
-    mesh = param.device_mesh
-    start, rows = shard_rows(full.shape[0], mesh.size(), mesh.get_local_rank())
-    piece = full.detach().narrow(0, start, rows).to(device=param.to_local().device, dtype=full.dtype).clone()
-    return DTensor.from_local(piece, mesh, param.placements, shape=param.shape, stride=param.stride(),
-                              run_check=False)
 
 
 class ShardedBucket:

@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_pp.runtime.cut.partition import Partition
-from lightning_pp.runtime.step.grads import GradientSync, is_expert_parameter
-from lightning_pp.runtime.step.sharded_grads import is_dtensor
-from lightning_pp.runtime.step.sharded_grads import local as local_of
+from lightning_pp.runtime.dp.grads import GradientSync, is_expert_parameter
+from lightning_pp.runtime.dtensors import is_dtensor
+from lightning_pp.runtime.dtensors import local as local_of
 from lightning_pp.runtime.topology import Topology
 
 
