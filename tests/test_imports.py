@@ -175,3 +175,28 @@ def test_no_test_module_imports_another():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0].startswith("test_")]
     assert offenders == []
+
+
+def _executor_reaches(path: Path) -> set[str]:
+    """Attributes read or written on anything named like an executor (``executor``, ``ex``,
+    ``self._executor``, ``engine.executor``) in one module."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in ("executor", "_executor", "ex"):
+                found.add(node.attr)
+    return found
+
+
+def test_the_strategies_and_callbacks_use_only_the_executors_surface():
+    from lightning_pp.runtime.step.executor import PipelineExecutor
+
+    outside = [p for layer in ("strategies", "callbacks", "integrations", "moe") for p in (PACKAGE / layer).rglob("*.py")]
+    reached = {f"{p.relative_to(PACKAGE)}: {attr}" for p in outside for attr in _executor_reaches(p)
+               if attr not in PipelineExecutor.SURFACE}
+    assert sorted(reached) == []
+    # every name of the surface exists on an executor
+    assert [n for n in PipelineExecutor.SURFACE if not hasattr(PipelineExecutor, n)
+            and n not in PipelineExecutor.__init__.__code__.co_names] == []

@@ -157,3 +157,30 @@ def test_a_schedule_registered_after_lightning_is_imported_is_a_strategy_name():
     done = subprocess.run([sys.executable, "-c", _AFTER_LIGHTNING], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_a_configuration_keeps_its_spec_and_pickles_by_name():
+    """A ScheduleConfig takes its spec when made: replacing the registered spec later does not change
+    what an existing configuration runs; a configuration (whose spec may hold lambdas, as zbv's
+    does) pickles, and comes back with the spec registered under its name."""
+    import pickle
+
+    from lightning_pp.schedules import rank_actions
+
+    spec = ScheduleSpec("kept_spec", gpipe_lifo, description="a spec replaced below")
+    register_schedule(spec)
+    try:
+        cfg = make_config("kept_spec", 2, 1, 4)
+        before = rank_actions(cfg, 0)
+        def fifo(c, r):
+            order = [(mb, chunk) for chunk in range(c.vp) for mb in range(c.num_microbatches)]
+            return [forward(*f) for f in order] + [backward(*f) for f in order]
+
+        register_schedule(ScheduleSpec("kept_spec", fifo, description="replaced"), replace=True)
+        assert cfg.spec is spec and rank_actions(cfg, 0) == before
+        assert rank_actions(make_config("kept_spec", 2, 1, 4), 0) != before
+        assert make_config("kept_spec", 2, 1, 4).spec is not spec
+    finally:
+        unregister_schedule("kept_spec")
+    zbv = make_config("zbv", 2, 2, 4)
+    assert pickle.loads(pickle.dumps(zbv)).spec is zbv.spec is schedule_spec("zbv")

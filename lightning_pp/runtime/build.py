@@ -10,23 +10,38 @@ import torch
 from torch import nn
 
 from lightning_pp.runtime.compile.layers import compile_pipeline_layers
+from lightning_pp.runtime.compile.watch import CompileWatch
 from lightning_pp.runtime.config import PipelineConfig, ResolvedPipeline
+from lightning_pp.runtime.cut.layout import auto_layout_of
 from lightning_pp.runtime.cut.meta import has_meta_tensors, materialize
 from lightning_pp.runtime.cut.partition import (
     Partition,
     add_frozen_stage_placeholder,
     check_protocol,
     cut_model,
+    default_pipeline_inputs,
     layer_list,
     resolve_layout,
 )
-from lightning_pp.runtime.cut.layout import auto_layout_of
-from lightning_pp.runtime.measure import batch_to_measure, decide_layout
+from lightning_pp.runtime.dp.grads import GradientSync
+from lightning_pp.runtime.dp.sharding import StageSharding, adopt_user_sharding, shard_stage
+from lightning_pp.runtime.failure.board import FailureBoard, Position
+from lightning_pp.runtime.failure.diagnosis import Diagnosis
+from lightning_pp.runtime.failure.guard import StepGuard
+from lightning_pp.runtime.failure.watchdog import watchdog_for
 from lightning_pp.runtime.layer import checkpointed_layers
-from lightning_pp.runtime.protocols import ExpertParallelLayer
-from lightning_pp.runtime.step.executor import PipelineExecutor
-from lightning_pp.runtime.dp.sharding import shard_stage
+from lightning_pp.runtime.measure import batch_to_measure, decide_layout
+from lightning_pp.runtime.plans.plan import set_streams
+from lightning_pp.runtime.protocols import ExpertParallelLayer, HoldsResources, StepObserver
+from lightning_pp.runtime.step.executor import PipelineExecutor, StepParts
+from lightning_pp.runtime.step.loss import StepEnd
+from lightning_pp.runtime.step.rng import StageRNG
+from lightning_pp.runtime.step.stage import StageRunner
+from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology, build_topology
+from lightning_pp.runtime.transport.p2p import PointToPoint
+from lightning_pp.runtime.transport.waits import BoundedWait
+from lightning_pp.schedules.tables import rank_plan
 
 
 def build_pipeline(
@@ -104,10 +119,63 @@ def build_pipeline(
     module.to(device)
     compile_pipeline_layers([layer for chunk in partition.chunks for layer in chunk.layers], config.compile,
                             schedule.spec.splits_backward)
-    executor = PipelineExecutor(module, partition, topology, resolved, device=device, sharding=sharding)
+    executor = PipelineExecutor(resolved, assemble_step_parts(module, partition, topology, resolved, device, sharding))
     executor.layout_choice = choice  # layout="auto": what was chosen and why (None otherwise)
     module._lpp_executor = executor  # not a submodule: a plain attribute (see executor_of)
     return executor
+
+
+def assemble_step_parts(module: nn.Module, partition: Partition, topology: Topology, pipeline: ResolvedPipeline,
+                        device: torch.device, sharding: Optional[StageSharding] = None) -> StepParts:
+    """Make and wire the executor's collaborators for this rank. Runs collectives: the replicas take
+    data-parallel rank 0's parameters, then the stage is sharded. Sharding is decided here and only
+    here: ``sharding`` (the layers sharded as they were materialised from the meta device), else
+    the user's own ``fully_shard`` units adopted as they are, else (``data_parallel_sharding="full"``)
+    the layers sharded after the broadcast (a sharded parameter's shards are its only copy)."""
+    options, schedule = pipeline.config, pipeline.schedule
+    actions = rank_plan(schedule, topology.pp_rank).actions
+    timeline = Timeline(enabled=True, device=device)
+    if device.type == "cuda":
+        set_streams(high_priority=True)  # the process's comm stream (runtime.plans.plan)
+    position, board = Position(), FailureBoard()
+    rng = StageRNG([chunk.stage for chunk in partition.chunks], topology.dp_rank, device)
+    p2p = PointToPoint(topology.pp_group, topology.global_rank, device, options.timeout, topology.describe,
+                       timeline=timeline, position=position)
+    wait_collective = BoundedWait(options.timeout, topology.describe, position)
+    sharding = sharding or adopt_user_sharding(module, partition, topology, options.data_parallel_sharding)
+    grad_sync = GradientSync(partition, topology, actions, module, sharding=sharding)
+    grad_sync.broadcast_parameters()
+    if options.data_parallel_sharding == "full" and sharding is None:
+        sharding = shard_stage(module, partition, topology)
+        grad_sync.adopt_sharding(sharding)
+    if sharding is not None:
+        sharding.timeline = timeline
+    watchdog = options.watchdog_config
+    diagnosis = Diagnosis(board, topology.dims.world_size, topology.describe, watchdog, options.timeout.total_seconds())
+    watchdog = watchdog_for(board, topology.rank, topology.dims.world_size, watchdog)
+
+    def abort() -> None:  # drop a failed step's transfer and reduction state
+        p2p.reset()
+        grad_sync.abandon()
+        if sharding is not None:
+            sharding.abandon()
+
+    guard = StepGuard(position, board, diagnosis, watchdog, topology.describe, schedule.stage_of, topology.pp_rank,
+                      on_abort=abort)
+    # Schedules with FB actions (combined 1F1B, DualPipeV) run chunks through their schedule plans
+    # (runtime/plans) so that an FB overlaps one microbatch's forward with another's backward.
+    stage = StageRunner(partition, p2p, schedule, topology.pp_rank, rng, timeline, wait_collective, topology.describe,
+                        schedule.spec.fused, module.pipeline_loss,
+                        getattr(module, "pipeline_inputs", None) or default_pipeline_inputs,
+                        getattr(module, "pipeline_predict", None))  # where a predict_step's work goes
+    subs = [sub for chunk in partition.chunks for layer in chunk.layers for sub in layer.modules()]
+    hooks = [sub.pipeline_step_end for sub in subs if isinstance(sub, StepObserver)]
+    # compile=: torch.compile's recompilations and graph breaks, counted per step
+    watch = CompileWatch() if any(getattr(sub, "_lpp_compiled", False) for sub in subs) else None
+    return StepParts(module, partition, topology, device, timeline, rng, position, p2p, wait_collective,
+                     sharding, grad_sync, board, diagnosis, watchdog, guard, stage, StepEnd(schedule, topology, device),
+                     hooks + ([watch.pipeline_step_end] if watch is not None else []),
+                     [sub for sub in subs if isinstance(sub, HoldsResources)], watch)
 
 
 def setup_expert_parallel(partition: Partition, topology: Topology, device: torch.device) -> None:

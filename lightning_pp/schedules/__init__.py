@@ -36,7 +36,9 @@ from lightning_pp.schedules.tables import (
     config_for_batch,
     interleaved_table,
     make_config,
+    RankPlan,
     rank_actions,
+    rank_plan,
     warmup_count,
 )
 
@@ -75,7 +77,9 @@ __all__ = [
     "interleaved_table",
     "make_config",
     "plot_timeline",
+    "RankPlan",
     "rank_actions",
+    "rank_plan",
     "simulate",
     "stage_owner",
     "stats_table",

@@ -15,10 +15,12 @@ followed by a ``W``) sends its input gradient when the ``B`` runs; a ``W`` sends
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from lightning_pp.schedules.actions import Action
-from lightning_pp.schedules.tables import ScheduleConfig
+
+if TYPE_CHECKING:  # tables.py imports this module to make a rank's plan
+    from lightning_pp.schedules.tables import ScheduleConfig
 
 
 class Message(NamedTuple):

@@ -35,8 +35,33 @@ TableFunction = Callable[[Any, int], list]
 Rule = Callable[[Any], Optional[str]]
 
 
+# Ready-made ``chunks`` rules (the reason a chunk count is invalid, or None) and ``interleaved``
+# predicates for specs; the built-in schedules use them (tables.py).
 def any_chunks(vp: int) -> Optional[str]:
     return None
+
+
+def one_chunk(vp: int) -> Optional[str]:
+    if vp == 1:
+        return None
+    return f"1F1B runs one chunk per rank (vp=1). Use schedule='interleaved' for vp={vp}, or set vp=1."
+
+
+def two_chunks_or_more(vp: int) -> Optional[str]:
+    if vp >= 2:
+        return None
+    return "interleaving needs at least 2 chunks per rank. Use vp=2, or schedule='1f1b' for vp=1."
+
+
+def a_v(vp: int) -> Optional[str]:
+    if vp == 2:
+        return None
+    return (f"a V schedule runs exactly 2 chunks per rank (stages r and 2 * pp - 1 - r). Use vp=2, or "
+            f"schedule='zb1p' for vp={vp}.")
+
+
+def grouped_when_chunked(vp: int) -> bool:
+    return vp > 1
 
 
 @dataclass(frozen=True)
@@ -96,6 +121,11 @@ class ScheduleSpec:
         if self.fallback is not None:
             return self.fallback
         return "zbv" if self.placement == "v" else "gpipe"
+
+    def __reduce__(self):
+        # Pickled by name (a spec's functions may be lambdas): a configuration sent to another
+        # process (a spawned launcher) finds the spec registered under that name there.
+        return schedule_spec, (self.name,)
 
 
 _REGISTRY: dict[str, ScheduleSpec] = {}

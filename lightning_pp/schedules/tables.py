@@ -32,7 +32,7 @@ Schedules (``pp`` = pipeline ranks, ``vp`` = chunks per rank, ``m`` = microbatch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_pp.schedules.actions import (
@@ -44,8 +44,18 @@ from lightning_pp.schedules.actions import (
     stage_owner,
     virtual_stage,
 )
-from lightning_pp.schedules.actions import check_actions, check_complete
-from lightning_pp.schedules.registry import ScheduleSpec, register_schedule, schedule_spec
+from lightning_pp.schedules.actions import check_actions, check_complete, split_backwards
+from lightning_pp.schedules.messages import Message, delivery_marks, send_order
+from lightning_pp.schedules.registry import (
+    ScheduleSpec,
+    a_v,
+    grouped_when_chunked,
+    one_chunk,
+    register_schedule,
+    schedule_names,
+    schedule_spec,
+    two_chunks_or_more,
+)
 from lightning_pp.schedules.zero_bubble import dualpipev_actions, zb1p_actions, zbv_actions
 
 
@@ -59,11 +69,19 @@ class ScheduleConfig:
     vp: int
     num_microbatches: int
     microbatch_group_size: Optional[int] = None  # interleaved grouping; None -> pp
+    # The spec, taken from the registry once, when the configuration is made: a configuration
+    # keeps meaning what it meant if the registry changes later.
+    _spec: Optional[ScheduleSpec] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self._spec is None and isinstance(self.schedule, str) and self.schedule in schedule_names():
+            object.__setattr__(self, "_spec", schedule_spec(self.schedule))
 
     @property
     def spec(self) -> ScheduleSpec:
-        """The schedule's spec in the registry (:mod:`lightning_pp.schedules.registry`)."""
-        return schedule_spec(self.schedule)
+        """The schedule's spec (:mod:`lightning_pp.schedules.registry`), as registered when this
+        configuration was made."""
+        return self._spec if self._spec is not None else schedule_spec(self.schedule)
 
     @property
     def group_size(self) -> int:
@@ -213,7 +231,7 @@ def config_for_batch(cfg: ScheduleConfig, batch_size: int) -> ScheduleConfig:
         if group is not None:
             group = max(min(group, count), cfg.pp)
         try:
-            return ScheduleConfig(cfg.schedule, cfg.pp, cfg.vp, count, group).validate()
+            return ScheduleConfig(cfg.schedule, cfg.pp, cfg.vp, count, group, cfg.spec).validate()
         except ValueError:
             continue
     # The fallback must keep the placement: the model's chunks are already built for it.
@@ -313,26 +331,33 @@ def all_rank_actions(cfg: ScheduleConfig, forward_only: bool = False) -> list[li
     return [rank_actions(cfg, rank, forward_only) for rank in range(cfg.pp)]
 
 
+@dataclass(frozen=True)
+class RankPlan:
+    """What pipeline rank ``rank`` runs for one configuration: the table the runtime executes."""
+
+    config: ScheduleConfig
+    actions: list[Action]  # training actions, in order
+    eval_actions: list[Action]  # forward-only actions, in order
+    expected: dict[bool, dict[int, list[Message]]]  # forward_only -> {neighbour pipeline rank: its send order here}
+    deferred: frozenset[tuple[int, int]]  # (microbatch, chunk) whose weight gradient is a W action
+    marks: dict[bool, tuple[dict, dict]]  # forward_only -> messages.delivery_marks
+
+
+def rank_plan(cfg: ScheduleConfig, rank: int) -> RankPlan:
+    """Rank ``rank``'s actions for ``cfg``, training and forward-only, with the order in which each
+    other rank sends to it (:mod:`lightning_pp.schedules.messages`)."""
+    expected, marks = {}, {}
+    for forward_only in (False, True):  # every other rank that sends here, and its order
+        tables = all_rank_actions(cfg, forward_only)
+        orders = {src: send_order(cfg, src, tables[src], rank) for src in range(cfg.pp) if src != rank}
+        expected[forward_only] = {src: order for src, order in orders.items() if order}
+        marks[forward_only] = delivery_marks(cfg, rank, tables)
+    actions = rank_actions(cfg, rank)
+    return RankPlan(cfg, actions, rank_actions(cfg, rank, forward_only=True), expected,
+                    frozenset(split_backwards(actions)), marks)
+
+
 # -- the built-in schedules ------------------------------------------------------------------------
-def _one_chunk(vp: int) -> Optional[str]:
-    if vp == 1:
-        return None
-    return f"1F1B runs one chunk per rank (vp=1). Use schedule='interleaved' for vp={vp}, or set vp=1."
-
-
-def _two_chunks_or_more(vp: int) -> Optional[str]:
-    if vp >= 2:
-        return None
-    return "interleaving needs at least 2 chunks per rank. Use vp=2, or schedule='1f1b' for vp=1."
-
-
-def _a_v(vp: int) -> Optional[str]:
-    if vp == 2:
-        return None
-    return (f"a V schedule runs exactly 2 chunks per rank (stages r and 2 * pp - 1 - r). Use vp=2, or "
-            f"schedule='zb1p' for vp={vp}.")
-
-
 def _fills_its_v(cfg: ScheduleConfig) -> Optional[str]:
     if cfg.num_microbatches >= 2 * cfg.pp:
         return None
@@ -341,28 +366,24 @@ def _fills_its_v(cfg: ScheduleConfig) -> Optional[str]:
             f"Use num_microbatches={2 * cfg.pp}, or schedule='zbv' for fewer.")
 
 
-def _grouped_when_chunked(vp: int) -> bool:
-    return vp > 1
-
-
 for _spec in (
     ScheduleSpec("1f1b", _one_f_one_b_actions, "1F1B: warm-up forwards, then one forward and one backward",
-                 chunks=_one_chunk, warmup=_one_f_one_b_warmup, check_tables=False),
+                 chunks=one_chunk, warmup=_one_f_one_b_warmup, check_tables=False),
     ScheduleSpec("interleaved", _one_f_one_b_actions, "Megatron's interleaved 1F1B (vp >= 2)",
-                 chunks=_two_chunks_or_more, interleaved=lambda vp: True, default_vp=2, warmup=_one_f_one_b_warmup,
+                 chunks=two_chunks_or_more, interleaved=lambda vp: True, default_vp=2, warmup=_one_f_one_b_warmup,
                  check_tables=False),
     ScheduleSpec("combined_1f1b", _one_f_one_b_actions,
                  "combined 1F1B: one microbatch's forward fused with another's backward (FB)", fused=True,
-                 interleaved=_grouped_when_chunked, warmup=_one_f_one_b_warmup, check_tables=False),
+                 interleaved=grouped_when_chunked, warmup=_one_f_one_b_warmup, check_tables=False),
     ScheduleSpec("gpipe", _one_f_one_b_actions, "GPipe: all forwards, then all backwards", warmup=_one_f_one_b_warmup,
                  check_tables=False),
     ScheduleSpec("zb1p", _zb1p_actions, "ZB-H1: backward split into B and a deferred W", splits_backward=True,
-                 interleaved=_grouped_when_chunked, warmup=_one_f_one_b_warmup, check_tables=False),
+                 interleaved=grouped_when_chunked, warmup=_one_f_one_b_warmup, check_tables=False),
     ScheduleSpec("zbv", lambda cfg, rank: zbv_actions(cfg.pp, rank, cfg.num_microbatches),
-                 "ZB-V: zero-bubble in a V (vp = 2)", placement="v", chunks=_a_v, splits_backward=True, default_vp=2,
+                 "ZB-V: zero-bubble in a V (vp = 2)", placement="v", chunks=a_v, splits_backward=True, default_vp=2,
                  check_tables=False),
     ScheduleSpec("dualpipev", lambda cfg, rank: dualpipev_actions(cfg.pp, rank, cfg.num_microbatches),
-                 "DualPipeV: fused F&B in a V with split backwards (vp = 2)", placement="v", chunks=_a_v, fused=True,
+                 "DualPipeV: fused F&B in a V with split backwards (vp = 2)", placement="v", chunks=a_v, fused=True,
                  splits_backward=True, rule=_fills_its_v, default_vp=2, check_tables=False),
 ):
     register_schedule(_spec)

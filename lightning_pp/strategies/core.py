@@ -20,7 +20,6 @@ from lightning_pp.runtime.cut.partition import check_protocol
 from lightning_pp.runtime.step.executor import PipelineExecutor, StepResult
 from lightning_pp.runtime.topology import build_topology
 from lightning_pp.runtime.config import PipelineConfig, ResolvedPipeline
-from lightning_pp.runtime.dp.norm import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.failure.guard import failure_seen_in_process
 from lightning_pp.runtime.step.microbatch import batch_size, map_tensors
 from lightning_pp.strategies.data import DataParallelWorld, LitdataSharding, data_parallel_world
@@ -189,13 +188,7 @@ class PipelineEngine:
                 "you; in Fabric call `loss = fabric.strategy.pipeline_step(model, batch)`.")
         if not args:
             raise TypeError("the model's forward needs the first pipeline layer's inputs as positional arguments")
-        stage = executor.stage
-        saved = stage.inputs_fn, stage.predict_fn
-        stage.inputs_fn, stage.predict_fn = tuple, None  # the microbatch of the arguments, unpacked
-        try:
-            result = executor.eval_step(tuple(args), compute_loss=False, collect_outputs=True)
-        finally:
-            stage.inputs_fn, stage.predict_fn = saved
+        result = executor.forward(tuple(args))
         device = executor.device
         return map_tensors(lambda t: t.to(device), self.gather_outputs(result.outputs, executor))
 
@@ -230,12 +223,12 @@ class PipelineEngine:
         from lightning_pp.runtime.failure.board import FailureBoard
 
         executor = self.executor
-        board = executor.board if executor is not None else FailureBoard()
+        board, diagnosis = executor.failure_context() if executor is not None else (FailureBoard(), None)
         if board.store is None:
             return None
         topology = executor.topology if executor is not None else self.topology
         me = topology.describe() if topology is not None else f"rank {global_rank}"
-        return board, me, executor.diagnosis if executor is not None else None
+        return board, me, diagnosis
 
     def last_stage_rank(self, executor: Optional[PipelineExecutor] = None) -> int:
         """Global rank of the last pipeline stage in this rank's data-parallel slot."""
@@ -262,12 +255,10 @@ class PipelineEngine:
         return join_microbatches(outputs)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        ex = self.executor
-        return clip_grad_norm_(ex.grad_sync, ex.topology, ex.partition, max_norm, norm_type, error_if_nonfinite)
+        return self.executor.clip_grad_norm(max_norm, norm_type, error_if_nonfinite)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        ex = self.executor
-        return grad_norm(ex.grad_sync, ex.topology, ex.partition, norm_type)
+        return self.executor.grad_norm(norm_type)
 
 
 def join_microbatches(outputs: list) -> Any:

@@ -19,7 +19,6 @@ that peer from its published position.
 
 from __future__ import annotations
 
-import datetime
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -33,36 +32,21 @@ from lightning_pp.runtime.config import ResolvedPipeline
 from lightning_pp.runtime.failure.diagnosis import Diagnosis
 from lightning_pp.runtime.failure.board import FailureBoard, Position
 from lightning_pp.runtime.failure.errors import NonFiniteError
-from lightning_pp.runtime.failure.watchdog import watchdog_for
 from lightning_pp.runtime.dp.grads import GradientSync
+from lightning_pp.runtime.dp.norm import clip_grad_norm_, grad_norm
 from lightning_pp.runtime.failure.guard import StepGuard
 from lightning_pp.runtime.step.loss import StepEnd
 from lightning_pp.runtime.step.microbatch import batch_fingerprint, batch_size, broadcast_batch, split_microbatches, tensors_in
 from lightning_pp.runtime.transport.p2p import PointToPoint
-from lightning_pp.runtime.cut.partition import Partition, default_pipeline_inputs
-from lightning_pp.runtime.plans.plan import set_streams
-from lightning_pp.runtime.protocols import HoldsResources, StepObserver
+from lightning_pp.runtime.cut.partition import Partition
 from lightning_pp.runtime.step.rng import StageRNG
-from lightning_pp.runtime.dp.sharding import StageSharding, adopt_user_sharding, shard_stage
+from lightning_pp.runtime.dp.sharding import StageSharding
 from lightning_pp.runtime.step.stage import StageRunner, StepState
 from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology
 from lightning_pp.runtime.transport.waits import BoundedWait
-from lightning_pp.schedules import ScheduleConfig, config_for_batch, rank_actions, split_backwards
+from lightning_pp.schedules.tables import RankPlan, ScheduleConfig, config_for_batch, rank_plan
 from lightning_pp.schedules.actions import Action
-from lightning_pp.schedules.messages import Message, delivery_marks, send_order
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What one rank runs for one schedule configuration."""
-
-    config: ScheduleConfig
-    actions: list[Action]  # training actions, in order
-    eval_actions: list[Action]  # forward-only actions, in order
-    expected: dict[bool, dict[int, list[Message]]]  # forward_only -> {neighbour pipeline rank: its send order here}
-    deferred: frozenset[tuple[int, int]] = frozenset()  # (microbatch, chunk) whose weight gradient is a W action
-    marks: dict[bool, tuple[dict, dict]] = field(default_factory=dict)  # forward_only -> messages.delivery_marks
 
 
 @dataclass
@@ -74,6 +58,33 @@ class StepResult:
     outputs: list[Any] = field(default_factory=list)  # last stage, forward-only: per-microbatch outputs
     nonfinite: Optional[str] = None  # what was not finite (loss, gradients on which ranks), same everywhere
     skipped: bool = False  # nonfinite="skip" dropped this step's gradients
+
+
+@dataclass
+class StepParts:
+    """The executor's collaborators, made and wired by :func:`~lightning_pp.runtime.build.build_pipeline`
+    (which decides everything about them, sharding included): the executor only runs steps with them."""
+
+    module: nn.Module
+    partition: Partition
+    topology: Topology
+    device: torch.device
+    timeline: Timeline
+    rng: StageRNG
+    position: Position
+    p2p: PointToPoint
+    wait_collective: BoundedWait  # every in-step collective's bounded wait
+    sharding: Optional[StageSharding]  # FSDP2 units of this rank's stage (runtime.dp.sharding), or None
+    grad_sync: GradientSync
+    board: FailureBoard
+    diagnosis: Diagnosis
+    watchdog: Any  # a failure.watchdog.Watchdog, or None
+    guard: StepGuard
+    stage: StageRunner
+    step_end: StepEnd
+    step_hooks: list = field(default_factory=list)  # called with the step count after each training step
+    holders: list = field(default_factory=list)  # layers with per-layer resources, released by close()
+    compile_watch: Optional[CompileWatch] = None  # compile=: compilations and recompilations per step
 
 
 class PipelineExecutor:
@@ -91,17 +102,24 @@ class PipelineExecutor:
     every stage's batch replaced by pipeline rank 0's (one broadcast per step; no check needed).
     :attr:`schedule` is the schedule (:class:`~lightning_pp.schedules.ScheduleConfig`),
     :attr:`step_schedule` the one the last step ran (fewer microbatches for a short batch).
+
+    The strategies and callbacks use only :attr:`SURFACE` (tests/test_imports.py holds them to it);
+    the collaborators in ``parts`` are the runtime's own.
     """
 
-    def __init__(self, module: nn.Module, partition: Partition, topology: Topology, pipeline: ResolvedPipeline,
-                 device: torch.device = torch.device("cpu"), loss_fn: Optional[Callable] = None,
-                 inputs_fn: Optional[Callable] = None, board: Optional[FailureBoard] = None,
-                 broadcast_parameters: bool = True, record_timeline: bool = True,
-                 sharding: Optional[StageSharding] = None) -> None:
-        options, schedule = pipeline.config, pipeline.schedule
-        self.pipeline, self.schedule = pipeline, schedule
-        self.module, self.partition, self.topology, self.device = module, partition, topology, device
-        self.timeout: datetime.timedelta = options.timeout
+    SURFACE = ("train_step", "eval_step", "forward", "clip_grad_norm", "grad_norm", "close", "failure_context",
+               "pipeline", "schedule", "step_schedule", "topology", "partition", "module", "device", "timeline",
+               "compile_watch", "layout_choice", "loss_fn", "inputs_fn")
+
+    def __init__(self, pipeline: ResolvedPipeline, parts: StepParts) -> None:
+        options = pipeline.config
+        self.pipeline, self.schedule, self.parts = pipeline, pipeline.schedule, parts
+        self.step_schedule = pipeline.schedule  # what the last step ran (fewer microbatches for a short batch)
+        self.module, self.partition, self.topology, self.device = parts.module, parts.partition, parts.topology, parts.device
+        self.pp_rank, self.timeline, self.compile_watch = parts.topology.pp_rank, parts.timeline, parts.compile_watch
+        self.p2p, self.grad_sync, self.sharding, self.stage = parts.p2p, parts.grad_sync, parts.sharding, parts.stage
+        self.rng, self.position, self.guard, self.step_end = parts.rng, parts.position, parts.guard, parts.step_end
+        self.wait_collective, self.watchdog = parts.wait_collective, parts.watchdog
         self.nonfinite = options.nonfinite
         # Every stage of a pipeline must run the same batch: compared every step by fingerprint
         # (``check_batches``), or made so by sending pipeline rank 0's batch to the others.
@@ -110,61 +128,14 @@ class PipelineExecutor:
         # Stage-boundary shapes are a function of the microbatch shapes (true unless a layer's
         # output shape depends on the data): skip the shape header once they repeat (p2p.py).
         self.static_shapes = options.static_shapes
-        self.board = board if board is not None else FailureBoard()
-        self.pp_rank = topology.pp_rank
-        self._plans: dict[ScheduleConfig, StepPlan] = {}
-        plan = self._plan(schedule)
+        self._plans: dict[ScheduleConfig, RankPlan] = {}  # this rank's table per configuration run
+        plan = self._plan(pipeline.schedule)
         self.actions, self.eval_actions = plan.actions, plan.eval_actions
-        self.step_schedule = schedule  # what the last step ran (fewer microbatches for a short batch)
-        self._short_batch_warned = False
-        self.timeline = Timeline(enabled=record_timeline, device=device)
-        if device.type == "cuda":
-            set_streams(high_priority=True)  # the process's comm stream (runtime.plan)
-        self.rng = StageRNG([chunk.stage for chunk in partition.chunks], topology.dp_rank, device)
-        self.position = Position()
-        self.p2p = PointToPoint(topology.pp_group, topology.global_rank, device, self.timeout, topology.describe,
-                                timeline=self.timeline, position=self.position)
-        self.wait_collective = BoundedWait(self.timeout, topology.describe, self.position)
-        # Sharded data parallelism (runtime.dp.sharding): the user's own fully_shard units, adopted
-        # as they are, or (data_parallel_sharding="full") the layers sharded here, after the replicas
-        # took dp rank 0's values (a sharded parameter's shards are its only copy).
-        # (``sharding``: the layers build_pipeline sharded as it materialised them from the meta device.)
-        self.sharding = sharding or adopt_user_sharding(module, partition, topology, options.data_parallel_sharding)
-        self.grad_sync = GradientSync(partition, topology, self.actions, module, sharding=self.sharding)
-        if broadcast_parameters:
-            self.grad_sync.broadcast_parameters()
-        if options.data_parallel_sharding == "full" and sharding is None:
-            self.sharding = shard_stage(module, partition, topology)
-            self.grad_sync.adopt_sharding(self.sharding)
-        if self.sharding is not None:
-            self.sharding.timeline = self.timeline
-        self.steps_done = 0
-        watchdog = options.watchdog_config
-        self.diagnosis = Diagnosis(self.board, topology.dims.world_size, topology.describe, watchdog,
-                                   self.timeout.total_seconds())
-        self.watchdog = watchdog_for(self.board, topology.rank, topology.dims.world_size, watchdog)
-        self.guard = StepGuard(self.position, self.board, self.diagnosis, self.watchdog, topology.describe,
-                               schedule.stage_of, self.pp_rank, on_abort=self._abort)
+        self.steps_done, self._short_batch_warned = 0, False
+        self.layout_choice = None  # layout="auto": what was chosen and why (set by build_pipeline)
         self._ref = weakref.ref(self)
         if self.watchdog is not None:
             self.watchdog.watch(self)
-        # Schedules with FB actions (combined 1F1B, DualPipeV) run chunks through their schedule plans
-        # (runtime/plan.py, runtime/nodes.py) so that an FB overlaps one microbatch's forward with
-        # another's backward.
-        self.stage = StageRunner(partition, self.p2p, schedule, self.pp_rank, self.rng, self.timeline,
-                                 self.wait_collective, topology.describe, schedule.spec.fused,
-                                 loss_fn or module.pipeline_loss,
-                                 inputs_fn or getattr(module, "pipeline_inputs", None) or default_pipeline_inputs,
-                                 # the pipeline's place for what a predict_step would do (argmax, decoding)
-                                 getattr(module, "pipeline_predict", None))
-        self.step_end = StepEnd(schedule, topology, device)
-        layer_modules = [sub for chunk in partition.chunks for layer in chunk.layers for sub in layer.modules()]
-        self._step_hooks = [sub.pipeline_step_end for sub in layer_modules if isinstance(sub, StepObserver)]
-        self._holders = [sub for sub in layer_modules if isinstance(sub, HoldsResources)]
-        # compile=: torch.compile's recompilations and graph breaks, counted per step
-        self.compile_watch = CompileWatch() if any(getattr(sub, "_lpp_compiled", False) for sub in layer_modules) else None
-        if self.compile_watch is not None:
-            self._step_hooks.append(self.compile_watch.pipeline_step_end)
 
     # -- the model's functions (the strategies wrap them: self.log calls, Fabric's precision) ----
     @property
@@ -188,24 +159,13 @@ class PipelineExecutor:
         return self.stage.predict_fn
 
     # -- schedules ------------------------------------------------------------------------------
-    def _plan(self, config: ScheduleConfig) -> StepPlan:
-        """This rank's actions for ``config`` and the send orders of its neighbours (cached)."""
+    def _plan(self, config: ScheduleConfig) -> RankPlan:
         plan = self._plans.get(config)
         if plan is None:
-            rank = self.pp_rank
-            expected, marks = {}, {}
-            for forward_only in (False, True):  # every other rank that sends here, and its order
-                tables = [rank_actions(config, r, forward_only) for r in range(config.pp)]
-                orders = {src: send_order(config, src, tables[src], rank) for src in range(config.pp) if src != rank}
-                expected[forward_only] = {src: order for src, order in orders.items() if order}
-                marks[forward_only] = delivery_marks(config, rank, tables)
-            actions = rank_actions(config, rank)
-            plan = StepPlan(config, actions, rank_actions(config, rank, forward_only=True), expected,
-                            frozenset(split_backwards(actions)), marks)
-            self._plans[config] = plan
+            plan = self._plans[config] = rank_plan(config, self.pp_rank)
         return plan
 
-    def _plan_for_batch(self, batch: Any) -> StepPlan:
+    def _plan_for_batch(self, batch: Any) -> RankPlan:
         size = batch_size(batch)
         if size is None:
             split_microbatches(batch, self.schedule.num_microbatches)  # raises: no batch dimension
@@ -230,7 +190,7 @@ class PipelineExecutor:
             p.grad = None
         result = self.guard.run(self.steps_done, self._ref, lambda: self._step(batch, train=True, grad_scale=grad_scale))
         self.steps_done += 1
-        for hook in self._step_hooks:  # layers that note steps (e.g. staging buffers: warm-up over)
+        for hook in self.parts.step_hooks:  # layers that note steps (e.g. staging buffers: warm-up over)
             hook(self.steps_done)
         if result.nonfinite is not None and self.nonfinite != "ignore":
             for p in self.grad_sync.params:  # drop this step's contribution
@@ -255,12 +215,37 @@ class PipelineExecutor:
             return self.guard.run(self.steps_done, self._ref, lambda: self._step(
                 batch, train=False, compute_loss=compute_loss, collect=collect_outputs))
 
+    def forward(self, inputs: tuple) -> StepResult:
+        """Forward-only pass of the first pipeline layer's positional ``inputs`` (not a batch: no
+        ``pipeline_inputs``, no ``pipeline_predict``), split into microbatches as a batch is; the
+        last stage's result holds the per-microbatch outputs of the last layer."""
+        stage = self.stage
+        saved = stage.inputs_fn, stage.predict_fn
+        stage.inputs_fn, stage.predict_fn = tuple, None  # the microbatch of the arguments, unpacked
+        try:
+            return self.eval_step(tuple(inputs), compute_loss=False, collect_outputs=True)
+        finally:
+            stage.inputs_fn, stage.predict_fn = saved
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip every rank's gradients by the global norm over all pipeline, data and expert ranks
+        (:mod:`lightning_pp.runtime.dp.norm`); returns that norm."""
+        return clip_grad_norm_(self.grad_sync, self.topology, self.partition, max_norm, norm_type, error_if_nonfinite)
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm, as one device computes it over the whole model."""
+        return grad_norm(self.grad_sync, self.topology, self.partition, norm_type)
+
+    def failure_context(self) -> tuple[FailureBoard, Diagnosis]:
+        """The job's failure board and this rank's diagnosis, for explaining a failure outside the step."""
+        return self.parts.board, self.parts.diagnosis
+
     def close(self) -> None:
         """Release per-layer resources (staging buffers) on every rank; call at teardown, before
         the process groups are destroyed (symmetric buffers are released collectively)."""
         if self.watchdog is not None:
             self.watchdog.release(self)
-        for holder in self._holders:
+        for holder in self.parts.holders:
             holder.pipeline_teardown()
 
     def where(self) -> str:
@@ -268,12 +253,6 @@ class PipelineExecutor:
         return self.guard.where()
 
     # -- the step loop --------------------------------------------------------------------------
-    def _abort(self) -> None:
-        self.p2p.reset()
-        self.grad_sync.abandon()
-        if self.sharding is not None:
-            self.sharding.abandon()
-
     def _step(self, batch: Any, train: bool, compute_loss: bool = True, collect: bool = False,
               grad_scale: float = 1.0) -> StepResult:
         pp = self.schedule.pp
