@@ -67,3 +67,25 @@ def test_build_pipeline_takes_options_by_name_only():
     assert [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD] == ["module", "config"]
     with pytest.raises(TypeError, match="unknown pipeline option.*microbatches.*num_microbatches"):
         PipelineConfig.with_options(None, {"microbatches": 4})
+
+
+def test_every_option_type_is_importable_from_the_configurations_module():
+    """One import gives a user (or a strategy) every type an option is declared with."""
+    import lightning_pp.runtime.config as config
+
+    hints = typing.get_type_hints(PipelineConfig, vars(config))
+    names = {n for hint in hints.values() for n in _type_names(hint)}
+    assert names and sorted(n for n in names if not hasattr(config, n)) == []
+    for name in ("Layout", "CheckpointPolicy", "CompileOption", "DataParallelSharding", "WatchdogConfig"):
+        assert hasattr(config, name), name
+
+
+def _type_names(hint) -> set:
+    """The names of the package's own types inside a (possibly nested) annotation."""
+    found = set()
+    module = getattr(hint, "__module__", "") or ""
+    if module.startswith("lightning_pp") and getattr(hint, "__name__", None):
+        found.add(hint.__name__)
+    for arg in typing.get_args(hint):
+        found |= _type_names(arg)
+    return found

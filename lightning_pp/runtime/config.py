@@ -15,13 +15,20 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 from lightning_pp.runtime.compile.layers import CompileOption, check_compile_option
-from lightning_pp.runtime.cut.layout import Layout, check_layout_option
+from lightning_pp.runtime.cut.layout import AutoLayout, Layout, check_layout_option
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.layer import CheckpointPolicy, checkpointed_layers
 from lightning_pp.runtime.dp.sharding import DataParallelSharding, check_sharding_mode
 from lightning_pp.runtime.topology import ParallelDims
 from lightning_pp.schedules import ScheduleConfig, default_num_microbatches, make_config, schedule_spec
 from lightning_pp.schedules.tables import positive_int
+
+# Every option's type is importable from here (tests/test_options.py), with the configuration.
+__all__ = [
+    "AutoLayout", "BatchCheck", "CheckpointPolicy", "CompileOption", "DataParallelSharding", "DEFAULT_TIMEOUT",
+    "Layout", "NonFinitePolicy", "ParallelDims", "PipelineConfig", "ResolvedPipeline", "STRATEGY_NAMES",
+    "WatchdogConfig", "arguments_docstring", "option_descriptions",
+]
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)
 NonFinitePolicy = Literal["raise", "skip", "ignore"]

@@ -29,14 +29,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pp.runtime.build import executor_of, find_executor
-from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.cut.meta import has_meta_tensors
 from lightning_pp.strategies import checkpoint as ckpt
-from lightning_pp.runtime.compile.layers import CompileOption
-from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig, arguments_docstring
-from lightning_pp.runtime.dp.sharding import DataParallelSharding
-from lightning_pp.runtime.cut.layout import Layout
-from lightning_pp.runtime.layer import CheckpointPolicy
+from lightning_pp.runtime.config import (DEFAULT_TIMEOUT, BatchCheck, CheckpointPolicy, CompileOption, DataParallelSharding,
+                                         Layout, NonFinitePolicy, PipelineConfig, WatchdogConfig, arguments_docstring)
 from lightning_pp.strategies.core import LIGHTNING_ARGUMENTS, PipelineEngine, PipelineStrategyMixin
 
 

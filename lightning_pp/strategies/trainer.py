@@ -37,14 +37,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.strategies import checkpoint as ckpt, data
 from lightning_pp.runtime.step.microbatch import batch_size
-from lightning_pp.runtime.compile.layers import CompileOption
-from lightning_pp.runtime.config import DEFAULT_TIMEOUT, BatchCheck, NonFinitePolicy, PipelineConfig, arguments_docstring
-from lightning_pp.runtime.dp.sharding import DataParallelSharding
-from lightning_pp.runtime.cut.layout import Layout
-from lightning_pp.runtime.layer import CheckpointPolicy
+from lightning_pp.runtime.config import (DEFAULT_TIMEOUT, BatchCheck, CheckpointPolicy, CompileOption, DataParallelSharding,
+                                         Layout, NonFinitePolicy, PipelineConfig, WatchdogConfig, arguments_docstring)
 from lightning_pp.strategies.core import LIGHTNING_ARGUMENTS, PipelineEngine, PipelineStrategyMixin
 from lightning_pp.strategies.loops import (ALREADY_GLOBAL, lightning_hook_of, log_options, logging_as_one_device,
                                           overrides_step, say_what_the_summary_shows, use_pipeline_optimization,
