@@ -23,6 +23,7 @@ from lightning_pp.runtime.cut.partition import (
 from lightning_pp.runtime.cut.layout import auto_layout_of
 from lightning_pp.runtime.measure import batch_to_measure, decide_layout
 from lightning_pp.runtime.layer import checkpointed_layers
+from lightning_pp.runtime.process import CHECKPOINT, facts
 from lightning_pp.runtime.protocols import ExpertParallelLayer
 from lightning_pp.runtime.step.executor import PipelineExecutor
 from lightning_pp.runtime.dp.sharding import shard_stage
@@ -84,7 +85,7 @@ def build_pipeline(
     if topology is None:
         topology = build_topology(schedule.pp, config.expert_parallel_size, device.type)
     for i in recomputed:
-        layers[i]._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
+        facts(layers[i])[CHECKPOINT] = True  # read by run_layer; kept with the layer if it stays here
     choice = None if auto is None else decide_layout(
         module, layers, schedule, example_batch, device, auto.memory_budget, auto.repeats,
         topology.dp if config.data_parallel_sharding == "full" else 1)

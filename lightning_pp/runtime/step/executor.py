@@ -41,6 +41,7 @@ from lightning_pp.runtime.step.microbatch import batch_fingerprint, batch_size, 
 from lightning_pp.runtime.transport.p2p import PointToPoint
 from lightning_pp.runtime.cut.partition import Partition, default_pipeline_inputs
 from lightning_pp.runtime.plans.plan import set_streams
+from lightning_pp.runtime.process import COMPILED, fact
 from lightning_pp.runtime.protocols import HoldsResources, StepObserver
 from lightning_pp.runtime.step.rng import StageRNG
 from lightning_pp.runtime.dp.sharding import StageSharding, adopt_user_sharding, shard_stage
@@ -162,7 +163,7 @@ class PipelineExecutor:
         self._step_hooks = [sub.pipeline_step_end for sub in layer_modules if isinstance(sub, StepObserver)]
         self._holders = [sub for sub in layer_modules if isinstance(sub, HoldsResources)]
         # compile=: torch.compile's recompilations and graph breaks, counted per step
-        self.compile_watch = CompileWatch() if any(getattr(sub, "_lpp_compiled", False) for sub in layer_modules) else None
+        self.compile_watch = CompileWatch() if any(fact(sub, COMPILED, False) for sub in layer_modules) else None
         if self.compile_watch is not None:
             self._step_hooks.append(self.compile_watch.pipeline_step_end)
 
