@@ -12,6 +12,7 @@ from distributed import run_distributed
 from models import Block, ToyRegressor
 from moe_models import TinyMoELM
 from lightning_pp.runtime import executor_of
+from lightning_pp.runtime.process import CHECKPOINT, fact
 
 M = 4
 
@@ -93,7 +94,7 @@ def _fit(rank, world, policy):
                         enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0)
     trainer.fit(model, loader(8))
     executor = executor_of(model)
-    marked = [getattr(layer, "_lpp_checkpoint", False) for chunk in executor.partition.chunks for layer in chunk.layers]
+    marked = [fact(layer, CHECKPOINT, False) for chunk in executor.partition.chunks for layer in chunk.layers]
     names = executor.partition.parameter_names
     return marked, {names[id(p)]: p.detach().clone() for p in model.parameters()}
 

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_pp.runtime.compile.layers import compile_layer
 from lightning_pp.runtime.plans.weight_grad import backward_input
+from lightning_pp.runtime.process import CHECKPOINT, CHECKPOINT_COMPILED, fact, facts
 
 
 class Block(nn.Module):
@@ -132,7 +133,7 @@ def test_activation_checkpointing_is_inside_the_compiled_graph(split):
     def saved_bytes_and_grads(checkpointed: bool):
         torch.manual_seed(0)
         layer = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64)).double()
-        layer._lpp_checkpoint = checkpointed
+        facts(layer)[CHECKPOINT] = checkpointed
         compile_layer(layer, "aot_eager", split=split)
         x = torch.randn(32, 64, dtype=torch.float64, requires_grad=True)
         saved = []
@@ -145,7 +146,7 @@ def test_activation_checkpointing_is_inside_the_compiled_graph(split):
 
     plain, plain_grads, _ = saved_bytes_and_grads(False)
     inside, inside_grads, layer = saved_bytes_and_grads(True)
-    assert layer._lpp_checkpoint_compiled
+    assert fact(layer, CHECKPOINT_COMPILED)
     activations = 32 * (256 + 256 + 256 + 256) * 8  # the two hidden layers' pre- and post-tanh values
     assert plain >= activations / 2, plain  # compiled without the checkpoint: hidden activations saved
     assert inside <= 32 * 64 * 8 * 2, inside  # with it: little beyond the input

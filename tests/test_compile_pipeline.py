@@ -13,6 +13,7 @@ from distributed import run_distributed
 from models import Block, pipelined_run, reference_run
 from moe_models import TinyMoELM, token_batches
 from equivalence import make_batches, make_model
+from lightning_pp.runtime.process import CHECKPOINT, CHECKPOINT_COMPILED, COMPILED, fact
 
 EAGER_KERNELS = {"backend": "aot_eager"}  # torch's eager kernels in the compiled graphs: their order of operations
 CASES = [
@@ -74,11 +75,10 @@ def _run(rank, world, cases):
                                   activation_checkpointing=case.get("ac", False))
         layers = [layer for chunk in executor.partition.chunks for layer in chunk.layers]
         # every layer; with the user's own compile, the blocks the user compiled (recompiled, split)
-        compiled = [getattr(layer, "_lpp_compiled", False) for layer in layers
+        compiled = [fact(layer, COMPILED, False) for layer in layers
                     if not case.get("user_compiled") or isinstance(getattr(layer, "_orig_mod", layer), Block)]
         # activation checkpointing inside the compiled graphs, not around them
-        inside = [getattr(layer, "_lpp_checkpoint_compiled", False) for layer in layers
-                  if getattr(layer, "_lpp_checkpoint", False)]
+        inside = [fact(layer, CHECKPOINT_COMPILED, False) for layer in layers if fact(layer, CHECKPOINT, False)]
         losses, grads, params = pipelined_run(executor, model, make_batches(case["model"], case["batch"]))
         after = compile_counts()
         # New sizes: the first change may compile the symbolic graph once; later ones reuse it.
@@ -135,8 +135,8 @@ def _run_moe(rank, world, cases):
         model = _moe_model()
         executor = build_pipeline(model, pipeline_parallel_size=2, expert_parallel_size=2, virtual_pipeline_size=case["vp"],
                                   num_microbatches=case["m"], schedule=case["schedule"], compile=case["compile"])
-        compiled = [b for b in model.blocks if hasattr(b, "experts") and getattr(b, "_lpp_compiled", False)]
-        parts = [getattr(m, "_lpp_compiled", False) for b in compiled for m in (b.attn, b.router)]
+        compiled = [b for b in model.blocks if hasattr(b, "experts") and fact(b, COMPILED, False)]
+        parts = [fact(m, COMPILED, False) for b in compiled for m in (b.attn, b.router)]
         losses, grads, params = pipelined_run(executor, model, token_batches(5, 8, 6, 3))
         a2a = sum(1 for sp in executor.timeline.spans if sp.kind == "a2a_wait")
         out.append(dict(losses=losses, grads=grads, params=params, parts=parts, a2a=a2a))

@@ -66,6 +66,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from lightning_pp.integrations.hf_checkpoint import init_weights, load_pretrained, save_pretrained  # noqa: E402
 from lightning_pp.integrations.hf_moe import HFMoEDecoderLayer, is_stacked_moe_layer  # noqa: E402
 from lightning_pp.integrations.hf_parts import HOW_BY_HAND, IGNORE_INDEX, _Parts  # noqa: E402
+from lightning_pp.runtime.process import HF_LAYERS, fact, facts  # noqa: E402
 
 __all__ = ["HFDecoderLayer", "HFEmbedding", "HFHead", "HFMoEDecoderLayer", "LitHF", "check_adapters", "init_weights", "labels_of",
            "load_pretrained", "pipeline_inputs", "pipeline_layers", "pipeline_loss", "save_pretrained"]
@@ -132,7 +133,7 @@ def pipeline_layers(model: nn.Module, check: bool = True) -> list[nn.Module]:
     """The embedding, every decoder layer and the norm + head of ``model`` (a transformers causal
     LM), as the pipeline's layers. ``check``: verify once, on a small batch, that the adapters
     compute the model's own logits (skipped for a model on the meta device)."""
-    cached = model.__dict__.get("_lpp_hf_layers")
+    cached = fact(model, HF_LAYERS)
     if cached is not None:
         return cached
     parts = _Parts(model)
@@ -141,7 +142,7 @@ def pipeline_layers(model: nn.Module, check: bool = True) -> list[nn.Module]:
                    for i, layer in enumerate(parts.layers)]
     if check and not any(p.is_meta for p in model.parameters()):
         check_adapters(model, layers)
-    model.__dict__["_lpp_hf_layers"] = layers
+    facts(model)[HF_LAYERS] = layers  # the layers refer to the model's parts, not to the model
     return layers
 
 

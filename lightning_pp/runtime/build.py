@@ -32,6 +32,7 @@ from lightning_pp.runtime.failure.watchdog import watchdog_for
 from lightning_pp.runtime.layer import checkpointed_layers
 from lightning_pp.runtime.measure import batch_to_measure, decide_layout
 from lightning_pp.runtime.plans.plan import set_streams
+from lightning_pp.runtime.process import CHECKPOINT, COMPILED, fact, facts
 from lightning_pp.runtime.protocols import ExpertParallelLayer, HoldsResources, StepObserver
 from lightning_pp.runtime.step.executor import PipelineExecutor, StepParts
 from lightning_pp.runtime.step.loss import StepEnd
@@ -99,7 +100,7 @@ def build_pipeline(
     if topology is None:
         topology = build_topology(schedule.pp, config.expert_parallel_size, device.type)
     for i in recomputed:
-        layers[i]._lpp_checkpoint = True  # read by run_layer; kept with the layer if it stays here
+        facts(layers[i])[CHECKPOINT] = True  # read by run_layer; kept with the layer if it stays here
     choice = None if auto is None else decide_layout(
         module, layers, schedule, example_batch, device, auto.memory_budget, auto.repeats,
         topology.dp if config.data_parallel_sharding == "full" else 1)
@@ -171,7 +172,7 @@ def assemble_step_parts(module: nn.Module, partition: Partition, topology: Topol
     subs = [sub for chunk in partition.chunks for layer in chunk.layers for sub in layer.modules()]
     hooks = [sub.pipeline_step_end for sub in subs if isinstance(sub, StepObserver)]
     # compile=: torch.compile's recompilations and graph breaks, counted per step
-    watch = CompileWatch() if any(getattr(sub, "_lpp_compiled", False) for sub in subs) else None
+    watch = CompileWatch() if any(fact(sub, COMPILED, False) for sub in subs) else None
     return StepParts(module, partition, topology, device, timeline, rng, position, p2p, wait_collective,
                      sharding, grad_sync, board, diagnosis, watchdog, guard, stage, StepEnd(schedule, topology, device),
                      hooks + ([watch.pipeline_step_end] if watch is not None else []),

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_pp.runtime.process import CHECKPOINT, CHECKPOINT_COMPILED, fact
 from lightning_pp.runtime.protocols import ProvidesScheduleNodes
 
 # Which pipeline layers recompute their forward in backward: all that can (True), none (False),
@@ -22,7 +23,7 @@ def run_layer(layer: nn.Module, x: Any) -> Any:
     checkpointing keeps only its inputs and recomputes its forward during backward (a layer
     compiled by ``compile=`` has the checkpoint inside its compiled graph: nothing is added here)."""
     args = x if isinstance(x, tuple) else (x,)
-    if getattr(layer, "_lpp_checkpoint", False) and not getattr(layer, "_lpp_checkpoint_compiled", False) \
+    if fact(layer, CHECKPOINT, False) and not fact(layer, CHECKPOINT_COMPILED, False) \
             and torch.is_grad_enabled():
         return checkpoint(layer, *args, use_reentrant=False)
     return layer(*args)

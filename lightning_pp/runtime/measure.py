@@ -44,6 +44,7 @@ from lightning_pp.runtime.cut.layout import balanced_layout
 from lightning_pp.runtime.cut.meta import has_meta_tensors, materialize
 from lightning_pp.runtime.cut.partition import default_pipeline_inputs
 from lightning_pp.runtime.layer import run_layer
+from lightning_pp.runtime.process import CHECKPOINT, copy_facts, fact
 from lightning_pp.runtime.step.microbatch import map_tensors, split_microbatches, tensors_in
 from lightning_pp.schedules.auto_layout import LayerCost, LayerCosts, LayoutChoice, choose_layout
 from lightning_pp.schedules.tables import ScheduleConfig
@@ -72,7 +73,7 @@ def _signature(layer: nn.Module, x: Any, first: bool) -> tuple:
     params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in layer.named_parameters())
     buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in layer.named_buffers())
     inputs = tuple((tuple(t.shape), str(t.dtype)) for t in tensors_in(x))
-    return (type(layer), repr(layer), params, buffers, bool(getattr(layer, "_lpp_checkpoint", False)), inputs, first)
+    return (type(layer), repr(layer), params, buffers, bool(fact(layer, CHECKPOINT, False)), inputs, first)
 
 
 def parameter_bytes(parameters, shards: int = 1) -> float:
@@ -166,6 +167,7 @@ def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: A
                 key = _signature(layer, x, index == 0)
                 if key not in measured:
                     work = copy.deepcopy(layer)  # the model's own layer stays untouched
+                    copy_facts(layer, work)  # recomputed in backward as the layer is
                     if has_meta_tensors(work):
                         materialize(work, device, seed, init_fn)
                     work.to(device)

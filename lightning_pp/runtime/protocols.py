@@ -14,9 +14,11 @@ The runtime calls these methods where a module has them (``isinstance`` against 
 
 Attribute markers the runtime reads (set by it or by the layers it knows): ``param._lpp_expert``
 (an expert parameter, reduced over the expert-data-parallel group: exactly the parameters of the
-expert-parallel layers' ``expert_list()``), ``layer._lpp_checkpoint`` (a
-layer recomputed in backward), ``module._lpp_executor`` (the module's executor: use
-:func:`lightning_pp.runtime.executor_of`). What the runtime tells layers about the microbatch being
+expert-parallel layers' ``expert_list()``), ``param._lpp_stacked`` (a parameter holding its rank's
+rows of stacked experts: :mod:`lightning_pp.runtime.cut.stacked`), ``module._lpp_executor`` (the
+module's executor: use :func:`lightning_pp.runtime.executor_of`). Everything else the package
+knows about users' objects (which layers are recomputed in backward or compiled) is a fact in
+:mod:`lightning_pp.runtime.process`'s table, not an attribute. What the runtime tells layers about the microbatch being
 run (its loss weight for auxiliary losses, the timeline, the bounded wait) is
 :func:`lightning_pp.runtime.context.current`.
 """

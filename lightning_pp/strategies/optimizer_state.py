@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_pp.runtime.build import find_executor
 from lightning_pp.runtime.cut.stacked import as_global, global_shape, local_rows, stacked_rows
 from lightning_pp.runtime.dtensors import is_dtensor, shard_like
+from lightning_pp.runtime.process import OPTIMIZER_INDEX, fact, facts
 
 PARAM_ORDER_RULE = (
     "A checkpoint's optimizer state is matched to parameters by position, as on one device: "
@@ -108,7 +109,7 @@ def optimizer_index(module: nn.Module, optimizer: Any) -> OptimizerIndex:
     optimizer, and again after its param groups change: call it on every rank)."""
     optimizer = _unwrap_optimizer(optimizer)
     signature = tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups)
-    cached = optimizer.__dict__.get("_lpp_optimizer_index")
+    cached = fact(optimizer, OPTIMIZER_INDEX)
     if cached is not None and cached[0] == signature:
         return cached[1]
     names, order = _canonical_names(module)
@@ -138,7 +139,7 @@ def optimizer_index(module: nn.Module, optimizer: Any) -> OptimizerIndex:
     local = [[index_of[names[id(p)]] if id(p) in names else None for p in group["params"]]
              for group in optimizer.param_groups]
     index = OptimizerIndex(groups, local)
-    optimizer.__dict__["_lpp_optimizer_index"] = (signature, index)
+    facts(optimizer)[OPTIMIZER_INDEX] = (signature, index)  # ids and names: no reference to the optimizer
     return index
 
 

@@ -32,11 +32,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import fx, nn
 
+from lightning_pp.runtime.process import CHECKPOINT, CHECKPOINT_COMPILED, COMPILED, fact, facts
+
 log = logging.getLogger(__name__)
 #: ``compile=``: ``False`` (eager), ``True`` (inductor) or ``torch.compile``'s keyword arguments.
 CompileOption = Union[bool, dict[str, Any]]
 #: The compilers whose backward graphs :func:`split_backend` splits for the zero-bubble ``W``.
 SPLIT_COMPILERS = ("inductor", "aot_eager")
+# The key, in an autograd node's ``metadata``, of what its B kept for its W (SplitBackward).
+_WEIGHT_HALF = "lightning_pp_weight_half"
 
 
 def _ancestors(nodes: Sequence[Any]) -> set:
@@ -92,9 +96,8 @@ class SplitBackward:
 
     def __call__(self, args: list) -> list:
         node = torch._C._current_autograd_node()
-        kept = getattr(node, "_lpp_weight_half", None)
+        kept = node.metadata.pop(_WEIGHT_HALF, None) if node is not None else None
         if kept is not None:  # the W restarting from this node: the weight gradients from what B kept
-            node._lpp_weight_half = None
             out = self.second(list(kept))
             return [None if is_input else g for g, is_input in zip(out, self.is_input)]
         saved = [args[i] for i in self.kept]
@@ -105,7 +108,7 @@ class SplitBackward:
         n = len(self.is_input)
         grads, boundary = list(out[:n]), list(out[n:])
         if not weights_wanted:  # the runtime's B: keep the boundary for the W
-            node._lpp_weight_half = saved + boundary
+            node.metadata[_WEIGHT_HALF] = saved + boundary
             return grads
         rest = self.second(saved + boundary)
         return [g if is_input else w for g, w, is_input in zip(grads, rest, self.is_input)]
@@ -220,7 +223,7 @@ def compile_layer(layer: nn.Module, compiler: str = "inductor", split: bool = Tr
 
 def compile_in_place(layer: nn.Module, backend: Any, options: dict) -> None:
     """Compile ``layer``'s forward in place, with ``backend`` itself as the backend object (see
-    :func:`shared_backend`), for torch's own module classes too; marks it ``_lpp_compiled``."""
+    :func:`shared_backend`), for torch's own module classes too; records it :data:`~lightning_pp.runtime.process.COMPILED`."""
     optimize = torch._dynamo.optimize(backend, **{_OPTIMIZE_ARGS[k]: v for k, v in options.items()})
     # The forward is compiled, not ``_call_impl`` (what ``Module.compile`` compiles): module hooks
     # (FSDP2's, the pipeline's own timing) stay eager outside the graph, as with
@@ -234,16 +237,16 @@ def compile_in_place(layer: nn.Module, backend: Any, options: dict) -> None:
         from torch._dynamo.external_utils import wrap_inline
 
         function = wrap_inline(function)
-    if getattr(layer, "_lpp_checkpoint", False):
+    if fact(layer, CHECKPOINT, False):
         # Compiled after activation checkpointing is applied: the checkpoint is inside the graph
         # (dynamo traces it as a region whose activations the partitioner recomputes in the
         # backward), so the compiled backward recomputes fused kernels, and run_layer adds no
         # checkpoint of its own around the compiled layer.
         function = _checkpointed(function)
-        layer._lpp_checkpoint_compiled = True
+        facts(layer)[CHECKPOINT_COMPILED] = True
     layer.forward = types.MethodType(_marking_dynamic_dims(optimize(function)), layer)
     layer._compiled_call_impl = None  # a user's own layer.compile() is replaced by this one
-    layer._lpp_compiled = True
+    facts(layer)[COMPILED] = True
 
 
 def _checkpointed(function: Callable) -> Callable:
@@ -363,7 +366,7 @@ def compile_pipeline_layers(layers: Sequence[nn.Module], option: CompileOption, 
         for layer in layers:
             for part in compile_targets(layer):
                 compile_in_place(part, backend, kwargs)
-            layer._lpp_compiled = True
+            facts(layer)[COMPILED] = True
         return
     for layer in layers:
         if option is False and not _user_compiled(layer):
@@ -374,7 +377,7 @@ def compile_pipeline_layers(layers: Sequence[nn.Module], option: CompileOption, 
             layer.forward = target.__call__
         for part in compile_targets(target):
             compile_layer(part, backend, split=splits_backward, **kwargs)
-        layer._lpp_compiled = True
+        facts(layer)[COMPILED] = True
     if option is False:
         log.info("lightning_pp: layers compiled with torch.compile were recompiled with lightning_pp's split backend "
                  "(inductor), so the zero-bubble W computes only their weight gradients.")

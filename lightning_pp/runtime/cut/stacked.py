@@ -30,6 +30,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_pp.runtime.process import STACKED_HOOKS, fact, facts
+
 
 @dataclass
 class StackedRows:
@@ -143,10 +145,10 @@ def shard_rows_of(module: nn.Module, total: int, rank: int, size: int, group: An
                 else p.data.narrow(0, start, rows).clone()
         p._lpp_stacked = StackedRows(start, rows, total, group, device_type)
         names.append(name)
-    if names and not getattr(module, "_lpp_stacked_hooks", False):
+    if names and not fact(module, STACKED_HOOKS, False):
         module.register_state_dict_post_hook(_state_dict_hook)
         module.register_load_state_dict_pre_hook(_load_hook)
-        module._lpp_stacked_hooks = True
+        facts(module)[STACKED_HOOKS] = True
     return names
 
 
