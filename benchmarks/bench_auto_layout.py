@@ -246,7 +246,7 @@ def _ranked_layouts(schedule: str, pp: int, microbatches: int, choice) -> list:
     sim = make_config(schedule, pp, 1, microbatches)
     if math.comb(len(layers) - 1, pp - 1) > 3000:
         return [choice.layout]
-    return sorted(every_layout(len(layers), pp), key=lambda layout: evaluate_layout(sim, layers, layout).step)
+    return sorted(every_layout(len(layers), pp), key=lambda layout: evaluate_layout(sim, choice.costs, layout).step)
 
 
 def _worker(rank: int, world: int, cfg: dict) -> list:

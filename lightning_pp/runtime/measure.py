@@ -34,6 +34,8 @@ import contextlib
 import copy
 import functools
 import logging
+import math
+import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -46,6 +48,7 @@ from lightning_pp.runtime.cut.partition import default_pipeline_inputs
 from lightning_pp.runtime.layer import run_layer
 from lightning_pp.runtime.step.microbatch import map_tensors, split_microbatches, tensors_in
 from lightning_pp.schedules.auto_layout import LayerCost, LayerCosts, LayoutChoice, choose_layout
+from lightning_pp.schedules.costs import StageCost
 from lightning_pp.schedules.tables import ScheduleConfig
 
 _log = logging.getLogger("lightning_pp")
@@ -98,11 +101,18 @@ def _loss_tensor(loss: Any) -> torch.Tensor:
     return loss[0] if isinstance(loss, (tuple, list)) else loss
 
 
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
 def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Sequence[torch.Tensor],
-                 device: torch.device, repeats: int) -> tuple[float, float, float, float, Any]:
-    """``(forward, input gradient, weight gradient, bytes saved for backward, output)`` of
-    ``fn(x)``: the fastest of ``repeats`` runs after a warm-up run (noise only ever adds time), the
-    saved bytes counted once per storage, ``params`` left out."""
+                 device: torch.device, repeats: int) -> tuple[float, float, float, float, float, Any]:
+    """``(forward, input gradient, weight gradient, whole backward, bytes saved for backward,
+    output)`` of ``fn(x)``: medians of ``repeats`` runs after a warm-up run (the times a training
+    step sees, other work on the machine included), the saved bytes counted once per storage,
+    ``params`` left out. Each run times the forward twice: once before the backward split as the
+    zero-bubble schedules run it (input gradient, then weight gradient from the graph it kept),
+    once before the whole backward in one pass (as the other schedules run it)."""
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     saved: dict[int, int] = {}
 
@@ -112,35 +122,64 @@ def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Seq
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    times: dict[str, list[float]] = {"F": [], "B": [], "W": []}
+    times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
     out = None
     for run in range(repeats + 1):
-        inputs = _leaf_inputs(x, input_grad)
-        float_inputs = [t for t in tensors_in(inputs) if t.requires_grad]
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if run == 0 else contextlib.nullcontext()
+        for split in (True, False):
+            inputs = _leaf_inputs(x, input_grad)
+            float_inputs = [t for t in tensors_in(inputs) if t.requires_grad]
+            hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if run == 0 and split
+                     else contextlib.nullcontext())
+            start = _clock(device)
+            with hooks:
+                out = fn(inputs)
+            t_f = _clock(device) - start
+            outs = [t for t in tensors_in(out) if t.requires_grad]
+            grads = [torch.ones_like(t) for t in outs]
+            t_b = t_w = 0.0
+            if outs:  # else nothing to differentiate (a frozen layer on integer inputs)
+                if split:
+                    if float_inputs:
+                        start = _clock(device)
+                        torch.autograd.grad(outs, float_inputs, grads, retain_graph=bool(params), allow_unused=True)
+                        t_b = _clock(device) - start
+                    if params:
+                        start = _clock(device)
+                        torch.autograd.grad(outs, list(params), grads, allow_unused=True)
+                        t_w = _clock(device) - start
+                elif float_inputs or params:
+                    start = _clock(device)
+                    torch.autograd.grad(outs, float_inputs + list(params), grads, allow_unused=True)
+                    t_b = _clock(device) - start
+            if run:
+                times["F"].append(t_f)
+                if split:
+                    times["B"].append(t_b)
+                    times["W"].append(t_w)
+                else:
+                    times["BW"].append(t_b)
+    return (_median(times["F"]), _median(times["B"]), _median(times["W"]), _median(times["BW"]),
+            float(sum(saved.values())), out)
+
+
+def engine_overhead(device: torch.device, repeats: int = 20) -> float:
+    """Seconds one entry into the autograd engine costs on a graph of one tiny node (median of
+    ``repeats``): each layer's measured backward pays it once, a pipeline action once for all
+    its layers."""
+    x = torch.ones(1, device=device, requires_grad=True)
+    grad = torch.ones(1, device=device)
+    times = []
+    for run in range(repeats + 2):
+        y = x * 2
         start = _clock(device)
-        with hooks:
-            out = fn(inputs)
-        t_f = _clock(device) - start
-        outs = [t for t in tensors_in(out) if t.requires_grad]
-        grads = [torch.ones_like(t) for t in outs]
-        t_b = t_w = 0.0
-        if outs:  # else nothing to differentiate (a frozen layer on integer inputs)
-            # As the zero-bubble split runs them: the input gradient, then the weight gradient
-            # from what it left (the graph kept in between).
-            if float_inputs:
-                start = _clock(device)
-                torch.autograd.grad(outs, float_inputs, grads, retain_graph=bool(params), allow_unused=True)
-                t_b = _clock(device) - start
-            if params:
-                start = _clock(device)
-                torch.autograd.grad(outs, list(params), grads, allow_unused=True)
-                t_w = _clock(device) - start
-        if run:
-            times["F"].append(t_f)
-            times["B"].append(t_b)
-            times["W"].append(t_w)
-    return min(times["F"]), min(times["B"]), min(times["W"]), float(sum(saved.values())), out
+        torch.autograd.grad(y, [x], [grad])
+        if run >= 2:
+            times.append(_clock(device) - start)
+    return _median(times)
+
+
+def _tensor_bytes(x: Any) -> float:
+    return float(sum(t.numel() * t.element_size() for t in tensors_in(x)))
 
 
 def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: Any, num_microbatches: int,
@@ -149,18 +188,27 @@ def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: A
                         inputs_fn: Optional[Callable[[Any], Any]] = None) -> LayerCosts:
     """What each of ``layers`` costs on one microbatch of ``batch`` (module docstring). ``loss_fn``
     defaults to ``module.pipeline_loss`` (its ``self.log`` calls are dropped while measuring),
-    ``inputs_fn`` to ``module.pipeline_inputs``."""
+    ``inputs_fn`` to ``module.pipeline_inputs``. The result's ``overhead`` is the autograd
+    engine's entry per B and W action (taken out of each layer's measured backward, which pays it
+    once per layer) and its ``boundary_bytes`` the median size of the layers' outputs (what
+    crosses a stage boundary); the link itself is measured by :func:`measure_link`."""
     microbatch = map_tensors(lambda t: t.to(device), split_microbatches(batch, num_microbatches)[0])
     inputs_fn = inputs_fn or getattr(module, "pipeline_inputs", None) or default_pipeline_inputs
     loss_fn = loss_fn or module.pipeline_loss
     init_fn, seed = getattr(module, "pipeline_init_weights", None), torch.initial_seed()
     measured: dict[tuple, tuple[LayerCost, Any]] = {}
     costs: list[LayerCost] = []
+    outputs: list[float] = []
     devices = [device] if device.type == "cuda" else []
     muted = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         module.__dict__["log"] = module.__dict__["log_dict"] = lambda *args, **kwargs: None
         try:
+            entry = engine_overhead(device)
+
+            def net(seconds: float) -> float:  # a measured backward less its engine entry
+                return max(0.0, seconds - entry) if seconds > 0 else 0.0
+
             x = inputs_fn(microbatch)
             for index, layer in enumerate(layers):
                 key = _signature(layer, x, index == 0)
@@ -170,20 +218,22 @@ def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: A
                         materialize(work, device, seed, init_fn)
                     work.to(device)
                     params = list({id(p): p for p in work.parameters()}.values())
-                    f, b, w, kept, out = _measure_one(functools.partial(run_layer, work), x, index > 0,
-                                                      [p for p in params if p.requires_grad], device, repeats)
-                    cost = LayerCost(f, b, w, parameter_bytes(params, shards), kept)
+                    f, b, w, bw, kept, out = _measure_one(functools.partial(run_layer, work), x, index > 0,
+                                                          [p for p in params if p.requires_grad], device, repeats)
+                    cost = LayerCost(f, net(b), net(w), parameter_bytes(params, shards), kept, net(bw))
                     measured[key] = (cost, map_tensors(lambda t: t.detach(), out))
                     del work
                 cost, x = measured[key]
                 costs.append(cost)
+                outputs.append(_tensor_bytes(x))
             # The loss runs on the last stage after its last layer: its forward and its gradient
             # (into the output) are the last layer's, measured apart so that equal layers stay equal.
-            f, b, _, kept, _ = _measure_one(lambda out: _loss_tensor(loss_fn(out, microbatch)), x, True, [], device,
-                                            repeats)
+            f, b, _, bw, kept, _ = _measure_one(lambda out: _loss_tensor(loss_fn(out, microbatch)), x, True, [],
+                                                device, repeats)
             last = costs[-1]
-            costs[-1] = last._replace(forward=last.forward + f, backward=last.backward + b,
-                                      activation_bytes=last.activation_bytes + kept)
+            costs[-1] = last._replace(forward=last.forward + f, backward=last.backward + net(b),
+                                      activation_bytes=last.activation_bytes + kept,
+                                      full_backward=last.full_backward + net(bw))
         finally:
             for name, value in muted.items():
                 if value is None:
@@ -192,7 +242,46 @@ def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: A
                     module.__dict__[name] = value
     shape = [tuple(t.shape) for t in tensors_in(microbatch)][:3]
     return LayerCosts(tuple(costs), "s", f"measured on {device.type}, one microbatch (tensors {shape}), "
-                      f"{len(measured)} distinct layers of {len(layers)}, fastest of {repeats} runs")
+                      f"{len(measured)} distinct layers of {len(layers)}, medians of {repeats} runs",
+                      overhead=StageCost(0.0, entry, entry),
+                      boundary_bytes=statistics.median(outputs[:-1]) if len(outputs) > 1 else 0.0)
+
+
+def _ping_pong(peer: int, first: bool, num_bytes: float, device: torch.device, reps: int) -> float:
+    """Median seconds of one message of ``num_bytes`` to ``peer`` (half a round trip)."""
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, int(num_bytes) // 4), dtype=torch.float32, device=device)
+    times = []
+    for run in range(reps + 2):
+        start = _clock(device)
+        if first:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+        if run >= 2:
+            times.append((_clock(device) - start) / 2)
+    return _median(times)
+
+
+def measure_link(boundary_bytes: float, device: torch.device, reps: int = 10) -> tuple[float, float]:
+    """``(seconds of one stage-boundary message of boundary_bytes, seconds per byte)`` over this
+    world's links, measured while every rank works: ranks 2i and 2i + 1 exchange ``reps`` round
+    trips of the boundary message and of one a quarter its size at the same time (an odd last rank
+    sits out); the per-byte slope between the two sizes. Collective; ``(0, 0)`` without a peer."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
+    if peer >= world or boundary_bytes <= 0:
+        return 0.0, 0.0
+    small = max(4.0, boundary_bytes / 4)
+    hop_small = _ping_pong(peer, rank % 2 == 0, small, device, reps)
+    hop = _ping_pong(peer, rank % 2 == 0, boundary_bytes, device, reps)
+    per_byte = (hop - hop_small) / (boundary_bytes - small) if boundary_bytes > small else 0.0
+    return hop, max(0.0, per_byte)
 
 
 def batch_to_measure(module: nn.Module, layout: Any, num_layers: int, num_stages: int, example_batch: Any) -> Any:
@@ -210,21 +299,75 @@ def batch_to_measure(module: nn.Module, layout: Any, num_layers: int, num_stages
     return batch
 
 
+def _combine(measured: Sequence[LayerCosts], links: Sequence[tuple[float, float]]) -> LayerCosts:
+    """One :class:`LayerCosts` from every rank's: times averaged over the ranks (each measured
+    while the others measured too), bytes from the first; the link from the ranks that had a peer."""
+    first, n = measured[0], len(measured)
+
+    def mean(values) -> float:
+        return sum(values) / len(values)
+
+    layers = tuple(
+        LayerCost(mean([m.layers[i].forward for m in measured]), mean([m.layers[i].backward for m in measured]),
+                  mean([m.layers[i].weight_grad for m in measured]), first.layers[i].static_bytes,
+                  first.layers[i].activation_bytes, mean([m.layers[i].whole_backward for m in measured]))
+        for i in range(len(first.layers)))
+    overhead = StageCost(*(mean([m.overhead[k] for m in measured]) for k in range(3)))
+    paired = [link for link in links if link[0] > 0]
+    hop, per_byte = (mean([h for h, _ in paired]), mean([p for _, p in paired])) if paired else (0.0, 0.0)
+    size = first.boundary_bytes
+    latency = max(0.0, hop - size * per_byte)
+    return LayerCosts(layers, first.unit, f"{first.note}, on {n} rank{'s' if n > 1 else ''} at once", None, overhead,
+                      latency, 1.0 / per_byte if per_byte > 0 else math.inf, size if hop > 0 else 0.0)
+
+
 def decide_layout(module: nn.Module, layers: Sequence[nn.Module], schedule: ScheduleConfig, batch: Any,
                   device: torch.device, memory_budget: Optional[float] = None, repeats: int = 3,
                   shards: int = 1) -> LayoutChoice:
-    """Measure on global rank 0, choose there, and give every rank the same :class:`LayoutChoice`
-    (or raise rank 0's error on every rank). ``batch``: one training batch, or a function
-    returning one (called on rank 0 only)."""
+    """Measure on every rank at once (so the times include what running side by side costs:
+    shared cores, memory bandwidth), choose on global rank 0, and give every rank the same
+    :class:`LayoutChoice` (or raise the first failing rank's error on every rank). ``batch``: one
+    training batch, or a function returning one (called on rank 0 only, whose first microbatch
+    every rank then measures on)."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
+    objects_on = device if device.type != "cpu" else None
     box: list = [None]
     if rank == 0:
         try:
             example = batch() if callable(batch) else batch
-            costs = measure_layer_costs(module, layers, example, schedule.num_microbatches, device, repeats, shards)
+            box[0] = map_tensors(lambda t: t.detach().cpu(),
+                                 split_microbatches(example, schedule.num_microbatches)[0])
+        except Exception as err:  # noqa: BLE001 - every rank raises it (below), none waits forever
+            box[0] = f"{type(err).__name__}: {err}"
+    if distributed:
+        dist.broadcast_object_list(box, src=0, device=objects_on)
+    mine: Any
+    if isinstance(box[0], str):
+        mine = box[0]
+    else:
+        try:
+            mine = measure_layer_costs(module, layers, box[0], 1, device, repeats, shards)
+        except Exception as err:  # noqa: BLE001 - every rank raises it (below), none waits forever
+            mine = f"{type(err).__name__}: {err}"
+    failed = [mine]
+    if distributed:
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, mine if isinstance(mine, str) else None)
+    error = next((f for f in failed if f is not None), None)
+    link = (0.0, 0.0)
+    if distributed and error is None:
+        link = measure_link(mine.boundary_bytes, device)
+    gathered = [(mine, link)]
+    if distributed and error is None:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, link))
+    box = [error]
+    if rank == 0 and error is None:
+        try:
+            costs = _combine([m for m, _ in gathered], [k for _, k in gathered])
             choice = choose_layout(schedule, costs, memory_budget)
             for estimate in (choice.chosen, choice.even):
                 estimate.result = None  # the replayed events stay here: what ranks need is the layout
@@ -232,13 +375,14 @@ def decide_layout(module: nn.Module, layers: Sequence[nn.Module], schedule: Sche
         except Exception as err:  # noqa: BLE001 - every rank raises it (below), none waits forever
             box[0] = f"{type(err).__name__}: {err}"
     if distributed:
-        dist.broadcast_object_list(box, src=0, device=device if device.type != "cpu" else None)
+        dist.broadcast_object_list(box, src=0, device=objects_on)
     if isinstance(box[0], str):
-        raise ValueError(f"layout='auto' failed on global rank 0 while measuring or choosing: {box[0]}")
+        raise ValueError(f"layout='auto' failed while measuring or choosing: {box[0]}")
     choice = box[0]
     if rank == 0:
         _log.info("lightning_pp: %s", choice.describe())
     return choice
 
 
-__all__ = ["OPTIMIZER_STATES", "batch_to_measure", "decide_layout", "measure_layer_costs", "parameter_bytes"]
+__all__ = ["OPTIMIZER_STATES", "batch_to_measure", "decide_layout", "engine_overhead", "measure_layer_costs", "measure_link",
+           "parameter_bytes"]
