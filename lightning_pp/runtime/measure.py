@@ -101,15 +101,34 @@ def _loss_tensor(loss: Any) -> torch.Tensor:
     return loss[0] if isinstance(loss, (tuple, list)) else loss
 
 
+#: Each distinct layer is run at least ``repeats`` times and until its runs took this many seconds
+#: (a short layer is timed many times: a time slice lost to another process lands on few of them).
+MIN_SECONDS = 0.03
+#: ... but at most this many runs.
+MAX_RUNS = 100
+
+
 def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
+
+
+def _typical(values: Sequence[float]) -> float:
+    """The mean of the middle half of ``values`` (the interquartile mean): the time a run usually
+    takes with the machine as busy as it is, without the rare run that lost its core for a while."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    quarter = len(ordered) // 4
+    middle = ordered[quarter:len(ordered) - quarter]
+    return sum(middle) / len(middle)
 
 
 def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Sequence[torch.Tensor],
                  device: torch.device, repeats: int) -> tuple[float, float, float, float, float, Any]:
     """``(forward, input gradient, weight gradient, whole backward, bytes saved for backward,
-    output)`` of ``fn(x)``: medians of ``repeats`` runs after a warm-up run (the times a training
-    step sees, other work on the machine included), the saved bytes counted once per storage,
+    output)`` of ``fn(x)``: interquartile means (:func:`_typical`) of at least ``repeats`` runs
+    after a warm-up run, more until they took :data:`MIN_SECONDS` (the times a training step sees,
+    other work on the machine included), the saved bytes counted once per storage,
     ``params`` left out. Each run times the forward twice: once before the backward split as the
     zero-bubble schedules run it (input gradient, then weight gradient from the graph it kept),
     once before the whole backward in one pass (as the other schedules run it)."""
@@ -124,7 +143,10 @@ def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Seq
 
     times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
     out = None
-    for run in range(repeats + 1):
+    run, began = 0, time.perf_counter()
+    while run <= repeats or (time.perf_counter() - began < MIN_SECONDS and run <= MAX_RUNS):
+        if run == 1:
+            began = time.perf_counter()  # the warm-up run does not count
         for split in (True, False):
             inputs = _leaf_inputs(x, input_grad)
             float_inputs = [t for t in tensors_in(inputs) if t.requires_grad]
@@ -158,14 +180,15 @@ def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Seq
                     times["W"].append(t_w)
                 else:
                     times["BW"].append(t_b)
-    return (_median(times["F"]), _median(times["B"]), _median(times["W"]), _median(times["BW"]),
+        run += 1
+    return (_typical(times["F"]), _typical(times["B"]), _typical(times["W"]), _typical(times["BW"]),
             float(sum(saved.values())), out)
 
 
 def engine_overhead(device: torch.device, repeats: int = 20) -> float:
     """Seconds one entry into the autograd engine costs on a graph of one tiny node (median of
-    ``repeats``): each layer's measured backward pays it once, a pipeline action once for all
-    its layers."""
+    ``repeats``, :func:`_typical`): each layer's measured backward pays it once, a pipeline action
+    once for all its layers."""
     x = torch.ones(1, device=device, requires_grad=True)
     grad = torch.ones(1, device=device)
     times = []
@@ -175,7 +198,7 @@ def engine_overhead(device: torch.device, repeats: int = 20) -> float:
         torch.autograd.grad(y, [x], [grad])
         if run >= 2:
             times.append(_clock(device) - start)
-    return _median(times)
+    return _typical(times)
 
 
 def _tensor_bytes(x: Any) -> float:
@@ -242,13 +265,13 @@ def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: A
                     module.__dict__[name] = value
     shape = [tuple(t.shape) for t in tensors_in(microbatch)][:3]
     return LayerCosts(tuple(costs), "s", f"measured on {device.type}, one microbatch (tensors {shape}), "
-                      f"{len(measured)} distinct layers of {len(layers)}, medians of {repeats} runs",
+                      f"{len(measured)} distinct layers of {len(layers)}, interquartile means of >= {repeats} runs",
                       overhead=StageCost(0.0, entry, entry),
                       boundary_bytes=statistics.median(outputs[:-1]) if len(outputs) > 1 else 0.0)
 
 
 def _ping_pong(peer: int, first: bool, num_bytes: float, device: torch.device, reps: int) -> float:
-    """Median seconds of one message of ``num_bytes`` to ``peer`` (half a round trip)."""
+    """Seconds of one message of ``num_bytes`` to ``peer`` (half a round trip, :func:`_typical`)."""
     import torch.distributed as dist
 
     buf = torch.zeros(max(1, int(num_bytes) // 4), dtype=torch.float32, device=device)
@@ -263,7 +286,7 @@ def _ping_pong(peer: int, first: bool, num_bytes: float, device: torch.device, r
             dist.send(buf, peer)
         if run >= 2:
             times.append((_clock(device) - start) / 2)
-    return _median(times)
+    return _typical(times)
 
 
 def measure_link(boundary_bytes: float, device: torch.device, reps: int = 10) -> tuple[float, float]:
