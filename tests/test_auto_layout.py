@@ -136,11 +136,16 @@ def test_measuring_one_process_prices_the_engine_entry_and_the_boundary():
     from lightning_pp.runtime.measure import measure_layer_costs
 
     model = _model("heavy", 4)
-    costs = measure_layer_costs(model, model.pipeline_layers(), _batches("heavy", 4, 2)[0], 2)
-    assert costs.overhead.forward == 0.0 and costs.overhead.backward == costs.overhead.weight_grad > 0
-    assert all(c.full_backward is not None for c in costs.layers)
-    assert costs.boundary_bytes == 8 * 8 * 8  # a microbatch of 8 rows of 8 float64 hidden units
-    assert costs.layers[1] == costs.layers[2]  # equal blocks measured once
+    for split in (False, True):
+        costs = measure_layer_costs(model, model.pipeline_layers(), _batches("heavy", 4, 2)[0], 2, split=split)
+        # Entering autograd is charged once per action: B (and, split, W) of every stage.
+        assert costs.overhead.forward == 0.0 and costs.overhead.backward > 0
+        assert (costs.overhead.weight_grad > 0) == split
+        assert all(c.full_backward is not None for c in costs.layers)
+        assert costs.boundary_bytes == 8 * 8 * 8  # a microbatch of 8 rows of 8 float64 hidden units
+        assert costs.layers[1] == costs.layers[2]  # equal blocks measured once
+        assert costs.layers[0].backward == 0.0  # the first layer's input is data: no input gradient
+    assert all(p.grad is None for p in model.parameters())  # measured on copies
 
 
 def test_layout_auto_with_a_list_is_refused_by_name():

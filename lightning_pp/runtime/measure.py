@@ -4,11 +4,16 @@
 of a real batch (the first of the ``num_microbatches`` it is split into, so every layer sees the
 shapes it sees in training) and records, per layer (:class:`~lightning_pp.schedules.auto_layout.LayerCost`):
 
-* the time of its forward, of its input gradient (``torch.autograd.grad`` to its floating-point
-  inputs; none for the first layer, whose input is data) and of its weight gradient (then, from
-  the same graph, to its parameters: the zero-bubble split's B and W), each the fastest of ``repeats`` runs after one warm-up run
-  (noise on a shared machine only ever adds time); ``pipeline_loss`` is measured apart and added to
-  the last layer (so equal layers stay equal);
+* the time of its forward; of its backward as the runtime runs it (the runtime's own ways into
+  autograd, :mod:`lightning_pp.runtime.plans.weight_grad`): split, the input gradient (``B``; none
+  for the first layer, whose input is data) then the weight gradient from what it kept (``W``),
+  as the zero-bubble schedules run them, and whole, in one pass (``full_backward``), as the others
+  do. Each is the interquartile mean of at least ``repeats`` runs after a warm-up run, more until
+  :data:`MIN_SECONDS` have passed: the time a run usually takes with the machine as busy as it is
+  in training (:func:`decide_layout` has every rank measure at once). The fixed cost of entering
+  autograd (:func:`backward_entries`) is taken out of each layer's backward and charged once per
+  action instead (``LayerCosts.overhead``). ``pipeline_loss`` is measured apart and added to the
+  last layer (so equal layers stay equal);
 * the bytes it holds for the whole step: its parameters, their gradients (trainable ones) and
   :data:`OPTIMIZER_STATES` optimizer states per trainable parameter (Adam's two moments), divided
   by the data-parallel size where ``data_parallel_sharding="full"`` shards them;
@@ -22,10 +27,13 @@ parameter shapes, as ``repr`` and the parameters tell, and the same input shapes
 once: a model of 48 equal blocks measures one block. Random state is forked around the
 measurement, so training draws the same random numbers as without it.
 
-:func:`decide_layout` measures on global rank 0 only, lets the pure chooser
-(:func:`~lightning_pp.schedules.auto_layout.choose_layout`) pick the layout for the resolved
-schedule, and broadcasts the choice (or rank 0's error) to every rank, so every rank takes the
-same layout or raises the same error.
+:func:`decide_layout` has every rank measure at once, on the first microbatch of rank 0's batch
+(broadcast), so the times include what running side by side costs (cores and memory bandwidth
+shared with the other ranks); neighbouring ranks then exchange a stage-boundary message
+(:func:`measure_link`) to price each hand-off between ranks. Rank 0 averages the ranks'
+measurements, lets the pure chooser (:func:`~lightning_pp.schedules.auto_layout.choose_layout`)
+pick the layout for the resolved schedule, and broadcasts the choice (or the first failing
+rank's error) to every rank, so every rank takes the same layout or raises the same error.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from lightning_pp.runtime.cut.layout import balanced_layout
 from lightning_pp.runtime.cut.meta import has_meta_tensors, materialize
 from lightning_pp.runtime.cut.partition import default_pipeline_inputs
 from lightning_pp.runtime.layer import run_layer
+from lightning_pp.runtime.plans.weight_grad import DeferredWeights, engine_backward
 from lightning_pp.runtime.step.microbatch import map_tensors, split_microbatches, tensors_in
 from lightning_pp.schedules.auto_layout import LayerCost, LayerCosts, LayoutChoice, choose_layout
 from lightning_pp.schedules.costs import StageCost
@@ -130,8 +139,9 @@ def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Seq
     after a warm-up run, more until they took :data:`MIN_SECONDS` (the times a training step sees,
     other work on the machine included), the saved bytes counted once per storage,
     ``params`` left out. Each run times the forward twice: once before the backward split as the
-    zero-bubble schedules run it (input gradient, then weight gradient from the graph it kept),
-    once before the whole backward in one pass (as the other schedules run it)."""
+    zero-bubble schedules run it (input gradient, then weight gradient from what it kept: the
+    runtime's own :class:`DeferredWeights`), once before the whole backward in one pass (as the
+    other schedules run it)."""
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     saved: dict[int, int] = {}
 
@@ -160,18 +170,19 @@ def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Seq
             grads = [torch.ones_like(t) for t in outs]
             t_b = t_w = 0.0
             if outs:  # else nothing to differentiate (a frozen layer on integer inputs)
+                # As the runtime runs them (lightning_pp.runtime.plans.weight_grad): gradients
+                # accumulate into ``.grad`` (of this copy's parameters and the leaf inputs).
                 if split:
-                    if float_inputs:
-                        start = _clock(device)
-                        torch.autograd.grad(outs, float_inputs, grads, retain_graph=bool(params), allow_unused=True)
-                        t_b = _clock(device) - start
-                    if params:
-                        start = _clock(device)
-                        torch.autograd.grad(outs, list(params), grads, allow_unused=True)
-                        t_w = _clock(device) - start
-                elif float_inputs or params:
+                    weights = DeferredWeights(params)
                     start = _clock(device)
-                    torch.autograd.grad(outs, float_inputs + list(params), grads, allow_unused=True)
+                    weights.input_grads(outs, grads, float_inputs)  # B: nothing without float inputs
+                    t_b = _clock(device) - start if float_inputs else 0.0
+                    start = _clock(device)
+                    weights.run()
+                    t_w = _clock(device) - start
+                else:
+                    start = _clock(device)
+                    engine_backward(outs, grads)
                     t_b = _clock(device) - start
             if run:
                 times["F"].append(t_f)
@@ -185,20 +196,30 @@ def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Seq
             float(sum(saved.values())), out)
 
 
-def engine_overhead(device: torch.device, repeats: int = 20) -> float:
-    """Seconds one entry into the autograd engine costs on a graph of one tiny node (median of
-    ``repeats``, :func:`_typical`): each layer's measured backward pays it once, a pipeline action
-    once for all its layers."""
+def backward_entries(device: torch.device, repeats: int = 20) -> tuple[float, float, float]:
+    """Seconds the runtime's ways into autograd cost on a graph of one tiny node (``x * w``), the
+    :func:`_typical` of ``repeats`` runs each: ``(whole backward, split B, split W)``. Each
+    layer's measured backward pays its entry once, a pipeline action once for all its layers."""
     x = torch.ones(1, device=device, requires_grad=True)
+    w = torch.ones(1, device=device, requires_grad=True)
     grad = torch.ones(1, device=device)
-    times = []
+    times: dict[str, list[float]] = {"BW": [], "B": [], "W": []}
     for run in range(repeats + 2):
-        y = x * 2
         start = _clock(device)
-        torch.autograd.grad(y, [x], [grad])
+        engine_backward([x * w], [grad])
+        whole = _clock(device) - start
+        weights, y = DeferredWeights([w]), x * w
+        start = _clock(device)
+        weights.input_grads([y], [grad], [x])
+        split_b = _clock(device) - start
+        start = _clock(device)
+        weights.run()
+        split_w = _clock(device) - start
         if run >= 2:
-            times.append(_clock(device) - start)
-    return _typical(times)
+            times["BW"].append(whole)
+            times["B"].append(split_b)
+            times["W"].append(split_w)
+    return _typical(times["BW"]), _typical(times["B"]), _typical(times["W"])
 
 
 def _tensor_bytes(x: Any) -> float:
@@ -208,13 +229,14 @@ def _tensor_bytes(x: Any) -> float:
 def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: Any, num_microbatches: int,
                         device: torch.device = torch.device("cpu"), repeats: int = 3, shards: int = 1,
                         loss_fn: Optional[Callable[[Any, Any], Any]] = None,
-                        inputs_fn: Optional[Callable[[Any], Any]] = None) -> LayerCosts:
+                        inputs_fn: Optional[Callable[[Any], Any]] = None, split: bool = False) -> LayerCosts:
     """What each of ``layers`` costs on one microbatch of ``batch`` (module docstring). ``loss_fn``
     defaults to ``module.pipeline_loss`` (its ``self.log`` calls are dropped while measuring),
-    ``inputs_fn`` to ``module.pipeline_inputs``. The result's ``overhead`` is the autograd
-    engine's entry per B and W action (taken out of each layer's measured backward, which pays it
-    once per layer) and its ``boundary_bytes`` the median size of the layers' outputs (what
-    crosses a stage boundary); the link itself is measured by :func:`measure_link`."""
+    ``inputs_fn`` to ``module.pipeline_inputs``. The result's ``overhead`` is the entry into
+    autograd (:func:`backward_entries`) per B and W action of a schedule that splits its
+    backwards (``split``), else per whole backward: taken out of each layer's measured backward,
+    which pays it once per layer. Its ``boundary_bytes`` is the median size of the layers' outputs
+    (what crosses a stage boundary); the link itself is measured by :func:`measure_link`."""
     microbatch = map_tensors(lambda t: t.to(device), split_microbatches(batch, num_microbatches)[0])
     inputs_fn = inputs_fn or getattr(module, "pipeline_inputs", None) or default_pipeline_inputs
     loss_fn = loss_fn or module.pipeline_loss
@@ -227,9 +249,9 @@ def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: A
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         module.__dict__["log"] = module.__dict__["log_dict"] = lambda *args, **kwargs: None
         try:
-            entry = engine_overhead(device)
+            whole_entry, b_entry, w_entry = backward_entries(device)
 
-            def net(seconds: float) -> float:  # a measured backward less its engine entry
+            def net(seconds: float, entry: float) -> float:  # a measured backward less its entry
                 return max(0.0, seconds - entry) if seconds > 0 else 0.0
 
             x = inputs_fn(microbatch)
@@ -243,7 +265,8 @@ def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: A
                     params = list({id(p): p for p in work.parameters()}.values())
                     f, b, w, bw, kept, out = _measure_one(functools.partial(run_layer, work), x, index > 0,
                                                           [p for p in params if p.requires_grad], device, repeats)
-                    cost = LayerCost(f, net(b), net(w), parameter_bytes(params, shards), kept, net(bw))
+                    cost = LayerCost(f, net(b, b_entry), net(w, w_entry), parameter_bytes(params, shards), kept,
+                                     net(bw, whole_entry))
                     measured[key] = (cost, map_tensors(lambda t: t.detach(), out))
                     del work
                 cost, x = measured[key]
@@ -254,9 +277,9 @@ def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: A
             f, b, _, bw, kept, _ = _measure_one(lambda out: _loss_tensor(loss_fn(out, microbatch)), x, True, [],
                                                 device, repeats)
             last = costs[-1]
-            costs[-1] = last._replace(forward=last.forward + f, backward=last.backward + net(b),
+            costs[-1] = last._replace(forward=last.forward + f, backward=last.backward + net(b, b_entry),
                                       activation_bytes=last.activation_bytes + kept,
-                                      full_backward=last.full_backward + net(bw))
+                                      full_backward=last.full_backward + net(bw, whole_entry))
         finally:
             for name, value in muted.items():
                 if value is None:
@@ -266,7 +289,7 @@ def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: A
     shape = [tuple(t.shape) for t in tensors_in(microbatch)][:3]
     return LayerCosts(tuple(costs), "s", f"measured on {device.type}, one microbatch (tensors {shape}), "
                       f"{len(measured)} distinct layers of {len(layers)}, interquartile means of >= {repeats} runs",
-                      overhead=StageCost(0.0, entry, entry),
+                      overhead=StageCost(0.0, b_entry, w_entry) if split else StageCost(0.0, whole_entry, 0.0),
                       boundary_bytes=statistics.median(outputs[:-1]) if len(outputs) > 1 else 0.0)
 
 
@@ -372,7 +395,8 @@ def decide_layout(module: nn.Module, layers: Sequence[nn.Module], schedule: Sche
         mine = box[0]
     else:
         try:
-            mine = measure_layer_costs(module, layers, box[0], 1, device, repeats, shards)
+            mine = measure_layer_costs(module, layers, box[0], 1, device, repeats, shards,
+                                       split=schedule.spec.splits_backward)
         except Exception as err:  # noqa: BLE001 - every rank raises it (below), none waits forever
             mine = f"{type(err).__name__}: {err}"
     failed = [mine]
@@ -407,5 +431,5 @@ def decide_layout(module: nn.Module, layers: Sequence[nn.Module], schedule: Sche
     return choice
 
 
-__all__ = ["OPTIMIZER_STATES", "batch_to_measure", "decide_layout", "engine_overhead", "measure_layer_costs", "measure_link",
+__all__ = ["OPTIMIZER_STATES", "batch_to_measure", "decide_layout", "backward_entries", "measure_layer_costs", "measure_link",
            "parameter_bytes"]

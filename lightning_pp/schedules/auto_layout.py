@@ -11,9 +11,11 @@ gradients, optimizer state) and the bytes it keeps per microbatch in flight (the
 backward needs, from its forward until its last backward action).
 
 How a layout is judged (:func:`evaluate_layout`): each virtual stage's prices are the sums over its
-layers (a :class:`~lightning_pp.schedules.costs.StageCost` per stage) and the schedule's tables are
-replayed by the simulator (:func:`~lightning_pp.schedules.simulate`): the predicted step is its
-makespan. Each rank's peak memory is the static bytes of its stages plus the largest sum, over the
+layers (a :class:`~lightning_pp.schedules.costs.StageCost` per stage; the layers' split ``B`` and
+``W`` under a schedule that splits its backwards, else their whole backward) plus what the runtime
+adds per action (:attr:`LayerCosts.overhead`), every hand-off between two ranks costs one
+stage-boundary message (:meth:`LayerCosts.cost_model`), and the schedule's tables are replayed by
+the simulator (:func:`~lightning_pp.schedules.simulate`): the predicted step is its makespan. Each rank's peak memory is the static bytes of its stages plus the largest sum, over the
 replayed order of its actions, of the activation bytes of the (microbatch, stage)s it holds in
 flight (the schedule's in-flight count per rank, the V placement's two stages on one rank, a split
 backward's activations kept until its ``W``).
