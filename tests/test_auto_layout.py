@@ -107,6 +107,12 @@ def test_the_runtime_around_the_layers_is_priced_per_action_and_per_message(tmp_
     assert evaluate_layout(make_config("1f1b", **one), costs, [1, 1], priced).step == pytest.approx(10.5)
     # One stage holding both layers pays the overhead once per action and no hop.
     assert evaluate_layout(make_config("1f1b", 1, 1, 1), costs, [2]).step == pytest.approx(2.25 + 5.5)
+    # A first stage whose input is data (its first layer has no input gradient) computes nothing
+    # at B under a split schedule: its W is the whole backward (here 1.5 + 2.5 + 0.5 entry).
+    data = LayerCost(0.5, 0.0, 1.0, full_backward=1.5)
+    first = LayerCosts((data, layer, layer), overhead=StageCost(0.25, 0.5, 0.5))
+    stages = evaluate_layout(make_config("zb1p", **one), first, [2, 1]).stage_costs
+    assert stages == (StageCost(1.75, 0.5, 4.5), StageCost(1.25, 2.5, 1.5))
     # The cost file keeps all of it.
     again = LayerCosts.load(costs.save(tmp_path / "costs.json"))
     assert again == costs

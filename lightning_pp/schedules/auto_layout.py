@@ -152,14 +152,21 @@ def stage_costs_of(layers: Sequence[LayerCost], layout: Sequence[int], split: bo
 
     A stage's prices are its layers' sums plus ``overhead`` per action. ``split``: the schedule
     splits its backwards into B and W (the layers' ``backward`` and ``weight_grad``); else its
-    backward is one pass (the layers' :attr:`~LayerCost.whole_backward`, priced as B with no W)."""
+    backward is one pass (the layers' :attr:`~LayerCost.whole_backward`, priced as B with no W).
+    A split stage whose input is data (it begins with the first layer, whose ``backward`` is 0)
+    has no input gradient to compute: the runtime's ``B`` does nothing there and its ``W`` is the
+    whole backward (:mod:`lightning_pp.runtime.plans.weight_grad`)."""
     stages, static, activation = [], [], []
     first = 0
     for count in layout:
         part = layers[first:first + count]
+        data_input = first == 0 and part[0].backward == 0
         first += count
         forward = sum(c.forward for c in part) + overhead.forward
-        if split:
+        if split and data_input:
+            stages.append(StageCost(forward, overhead.backward,
+                                    sum(c.whole_backward for c in part) + overhead.weight_grad))
+        elif split:
             stages.append(StageCost(forward, sum(c.backward for c in part) + overhead.backward,
                                     sum(c.weight_grad for c in part) + overhead.weight_grad))
         else:
