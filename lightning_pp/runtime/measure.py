@@ -54,6 +54,7 @@ from lightning_pp.runtime.cut.layout import balanced_layout
 from lightning_pp.runtime.cut.meta import has_meta_tensors, materialize
 from lightning_pp.runtime.cut.partition import default_pipeline_inputs
 from lightning_pp.runtime.layer import run_layer
+from lightning_pp.runtime.measure_runtime import backward_entries, clock, measure_link, typical
 from lightning_pp.runtime.plans.weight_grad import DeferredWeights, engine_backward
 from lightning_pp.runtime.step.microbatch import map_tensors, split_microbatches, tensors_in
 from lightning_pp.schedules.auto_layout import LayerCost, LayerCosts, LayoutChoice, choose_layout
@@ -63,17 +64,6 @@ from lightning_pp.schedules.tables import ScheduleConfig
 _log = logging.getLogger("lightning_pp")
 #: Optimizer states counted per trainable parameter (Adam's first and second moments).
 OPTIMIZER_STATES = 2
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _clock(device: torch.device) -> float:
-    """The time now, after the device finished what was queued (CUDA kernels run asynchronously)."""
-    _synchronize(device)
-    return time.perf_counter()
 
 
 def _signature(layer: nn.Module, x: Any, first: bool) -> tuple:
@@ -117,25 +107,10 @@ MIN_SECONDS = 0.03
 MAX_RUNS = 100
 
 
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else 0.0
-
-
-def _typical(values: Sequence[float]) -> float:
-    """The mean of the middle half of ``values`` (the interquartile mean): the time a run usually
-    takes with the machine as busy as it is, without the rare run that lost its core for a while."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    quarter = len(ordered) // 4
-    middle = ordered[quarter:len(ordered) - quarter]
-    return sum(middle) / len(middle)
-
-
 def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Sequence[torch.Tensor],
                  device: torch.device, repeats: int) -> tuple[float, float, float, float, float, Any]:
     """``(forward, input gradient, weight gradient, whole backward, bytes saved for backward,
-    output)`` of ``fn(x)``: interquartile means (:func:`_typical`) of at least ``repeats`` runs
+    output)`` of ``fn(x)``: interquartile means (:func:`typical`) of at least ``repeats`` runs
     after a warm-up run, more until they took :data:`MIN_SECONDS` (the times a training step sees,
     other work on the machine included), the saved bytes counted once per storage,
     ``params`` left out. Each run times the forward twice: once before the backward split as the
@@ -162,10 +137,10 @@ def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Seq
             float_inputs = [t for t in tensors_in(inputs) if t.requires_grad]
             hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if run == 0 and split
                      else contextlib.nullcontext())
-            start = _clock(device)
+            start = clock(device)
             with hooks:
                 out = fn(inputs)
-            t_f = _clock(device) - start
+            t_f = clock(device) - start
             outs = [t for t in tensors_in(out) if t.requires_grad]
             grads = [torch.ones_like(t) for t in outs]
             t_b = t_w = 0.0
@@ -174,16 +149,16 @@ def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Seq
                 # accumulate into ``.grad`` (of this copy's parameters and the leaf inputs).
                 if split:
                     weights = DeferredWeights(params)
-                    start = _clock(device)
+                    start = clock(device)
                     weights.input_grads(outs, grads, float_inputs)  # B: nothing without float inputs
-                    t_b = _clock(device) - start if float_inputs else 0.0
-                    start = _clock(device)
+                    t_b = clock(device) - start if float_inputs else 0.0
+                    start = clock(device)
                     weights.run()
-                    t_w = _clock(device) - start
+                    t_w = clock(device) - start
                 else:
-                    start = _clock(device)
+                    start = clock(device)
                     engine_backward(outs, grads)
-                    t_b = _clock(device) - start
+                    t_b = clock(device) - start
             if run:
                 times["F"].append(t_f)
                 if split:
@@ -192,34 +167,8 @@ def _measure_one(fn: Callable[[Any], Any], x: Any, input_grad: bool, params: Seq
                 else:
                     times["BW"].append(t_b)
         run += 1
-    return (_typical(times["F"]), _typical(times["B"]), _typical(times["W"]), _typical(times["BW"]),
+    return (typical(times["F"]), typical(times["B"]), typical(times["W"]), typical(times["BW"]),
             float(sum(saved.values())), out)
-
-
-def backward_entries(device: torch.device, repeats: int = 20) -> tuple[float, float, float]:
-    """Seconds the runtime's ways into autograd cost on a graph of one tiny node (``x * w``), the
-    :func:`_typical` of ``repeats`` runs each: ``(whole backward, split B, split W)``. Each
-    layer's measured backward pays its entry once, a pipeline action once for all its layers."""
-    x = torch.ones(1, device=device, requires_grad=True)
-    w = torch.ones(1, device=device, requires_grad=True)
-    grad = torch.ones(1, device=device)
-    times: dict[str, list[float]] = {"BW": [], "B": [], "W": []}
-    for run in range(repeats + 2):
-        start = _clock(device)
-        engine_backward([x * w], [grad])
-        whole = _clock(device) - start
-        weights, y = DeferredWeights([w]), x * w
-        start = _clock(device)
-        weights.input_grads([y], [grad], [x])
-        split_b = _clock(device) - start
-        start = _clock(device)
-        weights.run()
-        split_w = _clock(device) - start
-        if run >= 2:
-            times["BW"].append(whole)
-            times["B"].append(split_b)
-            times["W"].append(split_w)
-    return _typical(times["BW"]), _typical(times["B"]), _typical(times["W"])
 
 
 def _tensor_bytes(x: Any) -> float:
@@ -291,43 +240,6 @@ def measure_layer_costs(module: nn.Module, layers: Sequence[nn.Module], batch: A
                       f"{len(measured)} distinct layers of {len(layers)}, interquartile means of >= {repeats} runs",
                       overhead=StageCost(0.0, b_entry, w_entry) if split else StageCost(0.0, whole_entry, 0.0),
                       boundary_bytes=statistics.median(outputs[:-1]) if len(outputs) > 1 else 0.0)
-
-
-def _ping_pong(peer: int, first: bool, num_bytes: float, device: torch.device, reps: int) -> float:
-    """Seconds of one message of ``num_bytes`` to ``peer`` (half a round trip, :func:`_typical`)."""
-    import torch.distributed as dist
-
-    buf = torch.zeros(max(1, int(num_bytes) // 4), dtype=torch.float32, device=device)
-    times = []
-    for run in range(reps + 2):
-        start = _clock(device)
-        if first:
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
-        else:
-            dist.recv(buf, peer)
-            dist.send(buf, peer)
-        if run >= 2:
-            times.append((_clock(device) - start) / 2)
-    return _typical(times)
-
-
-def measure_link(boundary_bytes: float, device: torch.device, reps: int = 10) -> tuple[float, float]:
-    """``(seconds of one stage-boundary message of boundary_bytes, seconds per byte)`` over this
-    world's links, measured while every rank works: ranks 2i and 2i + 1 exchange ``reps`` round
-    trips of the boundary message and of one a quarter its size at the same time (an odd last rank
-    sits out); the per-byte slope between the two sizes. Collective; ``(0, 0)`` without a peer."""
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    peer = rank + 1 if rank % 2 == 0 else rank - 1
-    if peer >= world or boundary_bytes <= 0:
-        return 0.0, 0.0
-    small = max(4.0, boundary_bytes / 4)
-    hop_small = _ping_pong(peer, rank % 2 == 0, small, device, reps)
-    hop = _ping_pong(peer, rank % 2 == 0, boundary_bytes, device, reps)
-    per_byte = (hop - hop_small) / (boundary_bytes - small) if boundary_bytes > small else 0.0
-    return hop, max(0.0, per_byte)
 
 
 def batch_to_measure(module: nn.Module, layout: Any, num_layers: int, num_stages: int, example_batch: Any) -> Any:
@@ -431,5 +343,5 @@ def decide_layout(module: nn.Module, layers: Sequence[nn.Module], schedule: Sche
     return choice
 
 
-__all__ = ["OPTIMIZER_STATES", "batch_to_measure", "decide_layout", "backward_entries", "measure_layer_costs", "measure_link",
+__all__ = ["MAX_RUNS", "MIN_SECONDS", "OPTIMIZER_STATES", "batch_to_measure", "decide_layout", "measure_layer_costs",
            "parameter_bytes"]

@@ -15,8 +15,9 @@ layers (a :class:`~lightning_pp.schedules.costs.StageCost` per stage; the layers
 ``W`` under a schedule that splits its backwards, else their whole backward) plus what the runtime
 adds per action (:attr:`LayerCosts.overhead`), every hand-off between two ranks costs one
 stage-boundary message (:meth:`LayerCosts.cost_model`), and the schedule's tables are replayed by
-the simulator (:func:`~lightning_pp.schedules.simulate`): the predicted step is its makespan. Each rank's peak memory is the static bytes of its stages plus the largest sum, over the
-replayed order of its actions, of the activation bytes of the (microbatch, stage)s it holds in
+the simulator (:func:`~lightning_pp.schedules.simulate`): the predicted step is its makespan.
+Each rank's peak memory is the static bytes of its stages plus the largest sum, over the replayed
+order of its actions, of the activation bytes of the (microbatch, stage)s it holds in
 flight (the schedule's in-flight count per rank, the V placement's two stages on one rank, a split
 backward's activations kept until its ``W``).
 
