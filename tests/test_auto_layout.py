@@ -120,6 +120,19 @@ def test_the_runtime_around_the_layers_is_priced_per_action_and_per_message(tmp_
     assert "added per action: F 250 B 500 W 500 ms" in choose_layout(make_config("1f1b", **one), again).describe()
 
 
+def test_identical_layers_keep_the_even_split_unless_the_link_is_slower_than_a_layer():
+    # Eight equal layers (F + B = 0.25 each), 1F1B pp=4. A hop of 0.1 keeps the even split; at
+    # 0.3 (more than a layer's work) the replay is latency-bound, and moving a layer from each
+    # middle stage to an end stage saves exactly one layer's F + B at the end of the step. The
+    # runtime measures the link's own cost (the fastest round trip), well under a layer here.
+    layer = LayerCost(0.05, 0.0, 0.0, full_backward=0.2)
+    cfg = make_config("1f1b", 4, 1, 8)
+    fast = choose_layout(cfg, LayerCosts((layer,) * 8, p2p_latency=0.1, boundary_bytes=1.0))
+    assert fast.layout == [2, 2, 2, 2]
+    slow = choose_layout(cfg, LayerCosts((layer,) * 8, p2p_latency=0.3, boundary_bytes=1.0))
+    assert slow.layout == [3, 1, 1, 3] and slow.even.step - slow.chosen.step == pytest.approx(0.25)
+
+
 def test_every_rank_s_measurement_counts_and_the_link_comes_from_ranks_with_a_peer():
     from lightning_pp.runtime.measure import _combine
 

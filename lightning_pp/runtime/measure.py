@@ -30,7 +30,8 @@ measurement, so training draws the same random numbers as without it.
 :func:`decide_layout` has every rank measure at once, on the first microbatch of rank 0's batch
 (broadcast), so the times include what running side by side costs (cores and memory bandwidth
 shared with the other ranks); neighbouring ranks then exchange a stage-boundary message
-(:func:`measure_link`) to price each hand-off between ranks. Rank 0 averages the ranks'
+(:func:`measure_link`, the fastest round trip: the link's own cost) to price each hand-off
+between ranks. Rank 0 averages the ranks'
 measurements, lets the pure chooser (:func:`~lightning_pp.schedules.auto_layout.choose_layout`)
 pick the layout for the resolved schedule, and broadcasts the choice (or the first failing
 rank's error) to every rank, so every rank takes the same layout or raises the same error.

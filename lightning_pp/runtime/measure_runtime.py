@@ -62,7 +62,9 @@ def backward_entries(device: torch.device, repeats: int = 20) -> tuple[float, fl
 
 
 def _ping_pong(peer: int, first: bool, num_bytes: float, device: torch.device, reps: int) -> float:
-    """Seconds of one message of ``num_bytes`` to ``peer`` (half a round trip, :func:`typical`)."""
+    """Seconds of one message of ``num_bytes`` to ``peer``: half the fastest round trip. The link's
+    own cost; a slower round trip waited for a peer the machine had descheduled, which is load,
+    not link (and varied from 0.1 to 3 ms per message on a busy 2-core machine)."""
     import torch.distributed as dist
 
     buf = torch.zeros(max(1, int(num_bytes) // 4), dtype=torch.float32, device=device)
@@ -77,14 +79,15 @@ def _ping_pong(peer: int, first: bool, num_bytes: float, device: torch.device, r
             dist.send(buf, peer)
         if run >= 2:
             times.append((clock(device) - start) / 2)
-    return typical(times)
+    return min(times)
 
 
 def measure_link(boundary_bytes: float, device: torch.device, reps: int = 10) -> tuple[float, float]:
     """``(seconds of one stage-boundary message of boundary_bytes, seconds per byte)`` over this
     world's links, measured while every rank works: ranks 2i and 2i + 1 exchange ``reps`` round
     trips of the boundary message and of one a quarter its size at the same time (an odd last rank
-    sits out); the per-byte slope between the two sizes. Collective; ``(0, 0)`` without a peer."""
+    sits out; half the fastest round trip each); the per-byte slope between the two sizes.
+    Collective; ``(0, 0)`` without a peer."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
