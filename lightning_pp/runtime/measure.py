@@ -31,10 +31,10 @@ measurement, so training draws the same random numbers as without it.
 (broadcast), so the times include what running side by side costs (cores and memory bandwidth
 shared with the other ranks); neighbouring ranks then exchange a stage-boundary message
 (:func:`measure_link`, the fastest round trip: the link's own cost) to price each hand-off
-between ranks. Rank 0 averages the ranks'
-measurements, lets the pure chooser (:func:`~lightning_pp.schedules.auto_layout.choose_layout`)
-pick the layout for the resolved schedule, and broadcasts the choice (or the first failing
-rank's error) to every rank, so every rank takes the same layout or raises the same error.
+between ranks. Rank 0 takes the median over the ranks of each measured time, lets the pure
+chooser (:func:`~lightning_pp.schedules.auto_layout.choose_layout`) pick the layout for the
+resolved schedule, and broadcasts the choice (or the first failing rank's error) to every rank,
+so every rank takes the same layout or raises the same error.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _loss_tensor(loss: Any) -> torch.Tensor:
 
 #: Each distinct layer is run at least ``repeats`` times and until its runs took this many seconds
 #: (a short layer is timed many times: a time slice lost to another process lands on few of them).
-MIN_SECONDS = 0.03
+MIN_SECONDS = 0.05
 #: ... but at most this many runs.
 MAX_RUNS = 100
 
@@ -259,12 +259,13 @@ def batch_to_measure(module: nn.Module, layout: Any, num_layers: int, num_stages
 
 
 def _combine(measured: Sequence[LayerCosts], links: Sequence[tuple[float, float]]) -> LayerCosts:
-    """One :class:`LayerCosts` from every rank's: times averaged over the ranks (each measured
-    while the others measured too), bytes from the first; the link from the ranks that had a peer."""
+    """One :class:`LayerCosts` from every rank's: each time the median over the ranks (each
+    measured while the others measured too), bytes from the first; the link from the ranks that
+    had a peer."""
     first, n = measured[0], len(measured)
 
-    def mean(values) -> float:
-        return sum(values) / len(values)
+    def mean(values) -> float:  # the median over ranks: one rank's burst of load does not move it
+        return statistics.median(values)
 
     layers = tuple(
         LayerCost(mean([m.layers[i].forward for m in measured]), mean([m.layers[i].backward for m in measured]),
