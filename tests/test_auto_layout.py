@@ -24,6 +24,7 @@ from lightning_pp.runtime.cut.layout import AutoLayout
 from lightning_pp.schedules import make_config, schedule_spec
 from lightning_pp.schedules.__main__ import main as schedule_cli
 from lightning_pp.schedules.auto_layout import LayerCost, LayerCosts, choose_layout, evaluate_layout, even_layout
+from lightning_pp.schedules.costs import CostModel, StageCost
 
 BLOCK = LayerCost(1.0, 1.0, 1.0, static_bytes=100.0)
 HEAD = LayerCost(10.0, 10.0, 10.0, static_bytes=1000.0)
@@ -86,6 +87,86 @@ def test_a_memory_budget_is_met_or_names_the_smallest_peak():
     assert choice.chosen.peak_memory <= 1000 and choice.layout == [5, 5]  # 5 x 100 x 2 = 1000; [6, 4] holds 1200
 
 
+def test_the_runtime_around_the_layers_is_priced_per_action_and_per_message(tmp_path):
+    # Two layers over two stages, one microbatch: the step is one chain, derived by hand.
+    # Each action pays the measured overhead (F 0.25, B 0.5, W 0.5) once, whatever its layers;
+    # each cross-rank hand-off pays the link: 0.1 s + 20 bytes / (100 bytes/s) = 0.3 s.
+    layer = LayerCost(1.0, 2.0, 1.0, full_backward=2.5)
+    costs = LayerCosts((layer, layer), overhead=StageCost(0.25, 0.5, 0.5), p2p_latency=0.1, p2p_bandwidth=100.0,
+                       boundary_bytes=20.0)
+    one = dict(pp=2, vp=1, num_microbatches=1)
+    # 1F1B runs its backward in one pass (full_backward): F0 1.25, hop, F1 1.25, B1 3.0, hop, B0 3.0.
+    assert evaluate_layout(make_config("1f1b", **one), costs, [1, 1]).step == pytest.approx(9.1)
+    # ZB-H1 splits it: B 2 + 0.5 and, after B0, W0 1 + 0.5 (W1 runs beside B0).
+    assert evaluate_layout(make_config("zb1p", **one), costs, [1, 1]).step == pytest.approx(9.6)
+    # Without the measured runtime (bare layer costs, no full_backward): B + W per layer, free links.
+    bare = LayerCost(1.0, 2.0, 1.0)
+    assert evaluate_layout(make_config("1f1b", **one), [bare, bare], [1, 1]).step == pytest.approx(8.0)
+    # A link priced by the caller wins over the measured one: 2 hops of 1 s.
+    priced = CostModel(p2p_latency=1.0)
+    assert evaluate_layout(make_config("1f1b", **one), costs, [1, 1], priced).step == pytest.approx(10.5)
+    # One stage holding both layers pays the overhead once per action and no hop.
+    assert evaluate_layout(make_config("1f1b", 1, 1, 1), costs, [2]).step == pytest.approx(2.25 + 5.5)
+    # A first stage whose input is data (its first layer has no input gradient) computes nothing
+    # at B under a split schedule: its W is the whole backward (here 1.5 + 2.5 + 0.5 entry).
+    data = LayerCost(0.5, 0.0, 1.0, full_backward=1.5)
+    first = LayerCosts((data, layer, layer), overhead=StageCost(0.25, 0.5, 0.5))
+    stages = evaluate_layout(make_config("zb1p", **one), first, [2, 1]).stage_costs
+    assert stages == (StageCost(1.75, 0.5, 4.5), StageCost(1.25, 2.5, 1.5))
+    # The cost file keeps all of it.
+    again = LayerCosts.load(costs.save(tmp_path / "costs.json"))
+    assert again == costs
+    assert choose_layout(make_config("1f1b", **one), again).chosen.step == pytest.approx(9.1)
+    assert "added per action: F 250 B 500 W 500 ms" in choose_layout(make_config("1f1b", **one), again).describe()
+
+
+def test_identical_layers_keep_the_even_split_unless_the_link_is_slower_than_a_layer():
+    # Eight equal layers (F + B = 0.25 each), 1F1B pp=4. A hop of 0.1 keeps the even split; at
+    # 0.3 (more than a layer's work) the replay is latency-bound, and moving a layer from each
+    # middle stage to an end stage saves exactly one layer's F + B at the end of the step. The
+    # runtime measures the link's own cost (the fastest round trip), well under a layer here.
+    layer = LayerCost(0.05, 0.0, 0.0, full_backward=0.2)
+    cfg = make_config("1f1b", 4, 1, 8)
+    fast = choose_layout(cfg, LayerCosts((layer,) * 8, p2p_latency=0.1, boundary_bytes=1.0))
+    assert fast.layout == [2, 2, 2, 2]
+    slow = choose_layout(cfg, LayerCosts((layer,) * 8, p2p_latency=0.3, boundary_bytes=1.0))
+    assert slow.layout == [3, 1, 1, 3] and slow.even.step - slow.chosen.step == pytest.approx(0.25)
+
+
+def test_every_rank_s_measurement_counts_and_the_link_comes_from_ranks_with_a_peer():
+    from lightning_pp.runtime.measure import _combine
+
+    def measured(scale):
+        return LayerCosts((LayerCost(1.0 * scale, 2.0 * scale, 1.0 * scale, 10.0, 5.0, 2.0 * scale),),
+                          overhead=StageCost(0.0, 0.1 * scale, 0.1 * scale), boundary_bytes=8.0)
+
+    # Rank 2 of three had no peer to exchange with (0, 0): the link is the mean of ranks 0 and 1's.
+    both = _combine([measured(1.0), measured(3.0), measured(2.0)], [(0.5, 0.01), (0.7, 0.03), (0.0, 0.0)])
+    assert both.layers == (LayerCost(2.0, 4.0, 2.0, 10.0, 5.0, 4.0),)
+    assert both.overhead == pytest.approx((0.0, 0.2, 0.2))
+    # hop 0.6 s for 8 bytes at 0.02 s per byte: latency 0.44 s, bandwidth 50 bytes/s
+    assert (both.p2p_latency, both.p2p_bandwidth, both.boundary_bytes) == pytest.approx((0.44, 50.0, 8.0))
+    assert both.cost_model().p2p_time() == pytest.approx(0.6)
+    alone = _combine([measured(1.0)], [(0.0, 0.0)])
+    assert alone.cost_model().p2p_time() == 0.0 and alone.layers == measured(1.0).layers
+
+
+def test_measuring_one_process_prices_the_engine_entry_and_the_boundary():
+    from lightning_pp.runtime.measure import measure_layer_costs
+
+    model = _model("heavy", 4)
+    for split in (False, True):
+        costs = measure_layer_costs(model, model.pipeline_layers(), _batches("heavy", 4, 2)[0], 2, split=split)
+        # Entering autograd is charged once per action: B (and, split, W) of every stage.
+        assert costs.overhead.forward == 0.0 and costs.overhead.backward > 0
+        assert (costs.overhead.weight_grad > 0) == split
+        assert all(c.full_backward is not None for c in costs.layers)
+        assert costs.boundary_bytes == 8 * 8 * 8  # a microbatch of 8 rows of 8 float64 hidden units
+        assert costs.layers[1] == costs.layers[2]  # equal blocks measured once
+        assert costs.layers[0].backward == 0.0  # the first layer's input is data: no input gradient
+    assert all(p.grad is None for p in model.parameters())  # measured on copies
+
+
 def test_layout_auto_with_a_list_is_refused_by_name():
     with pytest.raises(ValueError, match=r"layout=\[2, 'auto'\] mixes 'auto' with a list-valued layout"):
         PipelineConfig(layout=[2, "auto"])
@@ -111,7 +192,7 @@ def test_the_cli_answers_from_a_cost_file(tmp_path, capsys):
     stages = {"stages": [{"layers": 2, "forward": 2, "backward": 2}, {"layers": 8, "forward": 16, "backward": 16}]}
     (tmp_path / "stages.json").write_text(json.dumps(stages))
     spread = LayerCosts.load(tmp_path / "stages.json")
-    assert spread.layers[0] == (1, 1, 0, 0, 0) and spread.layers[-1] == (2, 2, 0, 0, 0)
+    assert spread.layers[0] == LayerCost(1, 1, 0, 0, 0) and spread.layers[-1] == LayerCost(2, 2, 0, 0, 0)
     assert schedule_cli(["--pp", "2", "--costs", str(tmp_path / "stages.json")]) == 0
     assert "layers per virtual stage [6, 4]" in capsys.readouterr().out  # 6 + 8 | 8: the most even time
 

@@ -23,7 +23,7 @@ RUNTIME_FLOORS = [
     ("compile",),    # compile=
     ("config",),     # PipelineConfig, ResolvedPipeline
     ("step",),       # the step loop and what one action does
-    ("measure",),    # layout="auto"'s measurements
+    ("measure", "measure_runtime"),  # layout="auto"'s measurements
     ("build",),      # build_pipeline: assembles everything
 ]
 RUNTIME_FLOOR = {room: floor for floor, rooms in enumerate(RUNTIME_FLOORS) for room in rooms}

@@ -76,7 +76,7 @@ def build_pipeline(
     :mod:`lightning_pp.runtime.cut.meta`). ``compile`` compiles this rank's layers in place, last
     (see :mod:`lightning_pp.runtime.compile.layers`). ``layout="auto"`` measures every pipeline layer on one
     microbatch of ``example_batch`` (a training batch, or a function returning one; default: the
-    module's ``pipeline_example_batch()``) on global rank 0 and cuts at the layout the simulator
+    module's ``pipeline_example_batch()``) on every rank at once (rank 0 chooses) and cuts at the layout the simulator
     predicts fastest, the same on every rank (see :mod:`lightning_pp.runtime.measure`); the choice
     is ``executor.layout_choice``."""
     resolved = config if isinstance(config, ResolvedPipeline) else None

@@ -120,6 +120,7 @@ def layout_from_costs(cfg, args, base: CostModel) -> tuple[CostModel, Optional[L
     if args.stage_costs:
         raise ValueError("--stage-costs and --costs both give the stages' prices: pass one of them.")
     layer_costs = LayerCosts.load(args.costs)
+    base = layer_costs.cost_model(base)  # the file's measured link, unless --p2p-* price one
     spec = (args.layout or "auto").strip().lower()
     if spec == "auto":
         choice = choose_layout(cfg, layer_costs, args.memory_budget, base)
@@ -137,7 +138,7 @@ def layout_from_costs(cfg, args, base: CostModel) -> tuple[CostModel, Optional[L
         raise ValueError(f"--layout={args.layout!r} is invalid: give 'auto', 'even', or {cfg.num_stages} layer counts "
                          f">= 1 (pp * vp virtual stages) summing to the cost file's {len(layer_costs.layers)} layers, "
                          f"separated by commas, e.g. {','.join(map(str, even_layout(len(layer_costs.layers), cfg.num_stages)))}.")
-    estimate = evaluate_layout(cfg, layer_costs.layers, layout, base)
+    estimate = evaluate_layout(cfg, layer_costs, layout, base)
     return CostModel(**{**_fields(base), "stages": estimate.stage_costs}), None, layout
 
 

@@ -11,10 +11,13 @@ gradients, optimizer state) and the bytes it keeps per microbatch in flight (the
 backward needs, from its forward until its last backward action).
 
 How a layout is judged (:func:`evaluate_layout`): each virtual stage's prices are the sums over its
-layers (a :class:`~lightning_pp.schedules.costs.StageCost` per stage) and the schedule's tables are
-replayed by the simulator (:func:`~lightning_pp.schedules.simulate`): the predicted step is its
-makespan. Each rank's peak memory is the static bytes of its stages plus the largest sum, over the
-replayed order of its actions, of the activation bytes of the (microbatch, stage)s it holds in
+layers (a :class:`~lightning_pp.schedules.costs.StageCost` per stage; the layers' split ``B`` and
+``W`` under a schedule that splits its backwards, else their whole backward) plus what the runtime
+adds per action (:attr:`LayerCosts.overhead`), every hand-off between two ranks costs one
+stage-boundary message (:meth:`LayerCosts.cost_model`), and the schedule's tables are replayed by
+the simulator (:func:`~lightning_pp.schedules.simulate`): the predicted step is its makespan.
+Each rank's peak memory is the static bytes of its stages plus the largest sum, over the replayed
+order of its actions, of the activation bytes of the (microbatch, stage)s it holds in
 flight (the schedule's in-flight count per rank, the V placement's two stages on one rank, a split
 backward's activations kept until its ``W``).
 
@@ -42,6 +45,8 @@ from lightning_pp.schedules.tables import ScheduleConfig
 
 #: Layouts tried one by one when there are at most this many; a local search beyond.
 EXHAUSTIVE_LIMIT = 3000
+#: No time added per action (costs measured without the runtime's own work around the layers).
+NO_OVERHEAD = StageCost(0.0, 0.0, 0.0)
 #: Two predicted steps this close (relative) are a tie, decided by closeness to the even split.
 TIE = 1e-9
 
@@ -112,6 +117,12 @@ class LayoutChoice:
                 f"  stage {stage} (rank {rank}, chunk {chunk}): layers {first}..{first + count - 1}, per microbatch "
                 f"F {cost.forward * scale:.4g} B {cost.backward * scale:.4g} W {cost.weight_grad * scale:.4g} {shown}")
             first += count
+        costs = self.costs
+        if costs is not None and (any(costs.overhead) or costs.boundary_bytes):
+            o = costs.overhead
+            lines.append(f"  added per action: F {o.forward * scale:.4g} B {o.backward * scale:.4g} "
+                         f"W {o.weight_grad * scale:.4g} {shown}; one stage-boundary message ({_bytes(costs.boundary_bytes)}) "
+                         f"{costs.cost_model().p2p_time() * scale:.4g} {shown}")
         lines.append("  peak memory per rank: " + ", ".join(
             f"rank {r} {_bytes(m)}" for r, m in enumerate(self.chosen.rank_memory)))
         return "\n".join(lines)
@@ -136,15 +147,31 @@ def _bytes(value: Optional[float]) -> str:
     return f"{value:.0f} B"
 
 
-def stage_costs_of(layers: Sequence[LayerCost], layout: Sequence[int]) -> tuple[tuple[StageCost, ...], list, list]:
-    """``(StageCost per stage, static bytes per stage, activation bytes per stage)`` of ``layout``."""
+def stage_costs_of(layers: Sequence[LayerCost], layout: Sequence[int], split: bool = True,
+                   overhead: StageCost = NO_OVERHEAD) -> tuple[tuple[StageCost, ...], list, list]:
+    """``(StageCost per stage, static bytes per stage, activation bytes per stage)`` of ``layout``.
+
+    A stage's prices are its layers' sums plus ``overhead`` per action. ``split``: the schedule
+    splits its backwards into B and W (the layers' ``backward`` and ``weight_grad``); else its
+    backward is one pass (the layers' :attr:`~LayerCost.whole_backward`, priced as B with no W).
+    A split stage whose input is data (it begins with the first layer, whose ``backward`` is 0)
+    has no input gradient to compute: the runtime's ``B`` does nothing there and its ``W`` is the
+    whole backward (:mod:`lightning_pp.runtime.plans.weight_grad`)."""
     stages, static, activation = [], [], []
     first = 0
     for count in layout:
         part = layers[first:first + count]
+        data_input = first == 0 and part[0].backward == 0
         first += count
-        stages.append(StageCost(sum(c.forward for c in part), sum(c.backward for c in part),
-                                sum(c.weight_grad for c in part)))
+        forward = sum(c.forward for c in part) + overhead.forward
+        if split and data_input:
+            stages.append(StageCost(forward, overhead.backward,
+                                    sum(c.whole_backward for c in part) + overhead.weight_grad))
+        elif split:
+            stages.append(StageCost(forward, sum(c.backward for c in part) + overhead.backward,
+                                    sum(c.weight_grad for c in part) + overhead.weight_grad))
+        else:
+            stages.append(StageCost(forward, sum(c.whole_backward for c in part) + overhead.backward, 0.0))
         static.append(sum(c.static_bytes for c in part))
         activation.append(sum(c.activation_bytes for c in part))
     return tuple(stages), static, activation
@@ -176,11 +203,16 @@ def rank_peak_memory(cfg: ScheduleConfig, result: SimulationResult, static: Sequ
     return out
 
 
-def evaluate_layout(cfg: ScheduleConfig, layers: Sequence[LayerCost], layout: Sequence[int],
+def evaluate_layout(cfg: ScheduleConfig, layers: Union[LayerCosts, Sequence[LayerCost]], layout: Sequence[int],
                     base: CostModel = CostModel()) -> LayoutEstimate:
-    """The simulator's step and each rank's peak memory for ``layout`` (communication prices from
-    ``base``, compute from the layers)."""
-    stages, static, activation = stage_costs_of(layers, layout)
+    """The simulator's step and each rank's peak memory for ``layout``: compute from the layers
+    (and, given :class:`LayerCosts`, its per-action ``overhead``), communication from ``base``
+    (or, where ``base`` prices none, the measured link of the :class:`LayerCosts`:
+    :meth:`LayerCosts.cost_model`)."""
+    overhead = NO_OVERHEAD
+    if isinstance(layers, LayerCosts):
+        base, overhead, layers = layers.cost_model(base), layers.overhead, layers.layers
+    stages, static, activation = stage_costs_of(layers, layout, cfg.spec.splits_backward, overhead)
     costs = CostModel(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, "stages": stages})
     result = simulate(cfg, costs)
     return LayoutEstimate(list(layout), result.makespan, stages, rank_peak_memory(cfg, result, static, activation),
@@ -281,7 +313,7 @@ def choose_layout(cfg: ScheduleConfig, costs: Union[LayerCosts, Sequence[LayerCo
     def estimate(layout) -> LayoutEstimate:
         key = tuple(layout)
         if key not in seen:
-            seen[key] = evaluate_layout(cfg, layers, layout, base)
+            seen[key] = evaluate_layout(cfg, layer_costs, layout, base)
         return seen[key]
 
     def distance(layout) -> int:

@@ -18,7 +18,8 @@ class AutoLayout:
 
     ``memory_budget``: bytes each rank may hold (parameters, gradients, optimizer state,
     activations in flight), or ``None`` for no limit; no layout under it is an error naming the
-    smallest peak a layout reaches. ``repeats``: timed runs per distinct layer (the median is taken)."""
+    smallest peak a layout reaches. ``repeats``: the fewest timed runs per distinct layer (more until
+    50 ms have passed; the interquartile mean is taken)."""
 
     memory_budget: Optional[float] = None
     repeats: int = 3
