@@ -41,3 +41,14 @@ def shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     piece = full.detach().narrow(0, start, rows).to(device=param.to_local().device, dtype=full.dtype).clone()
     return DTensor.from_local(piece, mesh, param.placements, shape=param.shape, stride=param.stride(),
                               run_check=False)
+
+
+def laid_out_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a local tensor shaped like ``param``'s local part) as ``param`` is laid out: a
+    DTensor over its mesh with its placements, or ``value`` itself for a plain parameter."""
+    if not is_dtensor(param):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(),
+                              run_check=False)

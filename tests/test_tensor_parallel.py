@@ -1,0 +1,212 @@
+"""Tensor parallelism inside pipeline stages (issue 37, the user's ``parallelize_module`` route).
+
+A Llama-style decoder written as users write it for Lightning's ``ModelParallelStrategy``: its
+``configure_model`` splits every block's attention (q/k/v column-wise, o row-wise) and MLP
+(gate/up column-wise, down row-wise) over ``self.device_mesh["tensor_parallel"]``; the embedding
+and the head are tied. Trained with ``Trainer.fit`` and Lightning's defaults at pp=2 x tp=2 under
+several schedules in one launch, against the same Trainer on one device (float64), with gradient
+clipping by the global norm (which must count each tensor-parallel shard once and each replicated
+parameter once): parameters after ``fit`` and the consolidated checkpoint equal one device's.
+The same launch checks the errors: a head count that the tensor-parallel size does not divide, and
+DTensors over a mesh other than the tensor-parallel one."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+
+from distributed import run_distributed
+
+SCHEDULES = [("1f1b", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2), ("gpipe", 1), ("zb1p", 1),
+             ("combined_1f1b", 1)]
+TRAINER = dict(accelerator="cpu", max_epochs=1, precision="64-true", logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=0.05)
+SAMPLES, BATCH, SEQ, VOCAB = 16, 8, 6, 11  # two steps of 4 microbatches of 2
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, n_heads):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        # -1 heads: the heads this rank holds once q/k/v are split column-wise (torchtitan's way)
+        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate, self.up = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, n_heads):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attn, self.mlp = Attention(dim, n_heads), MLP(dim, 2 * dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Head(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.out = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, x):
+        return self.out(self.norm(x))
+
+
+class Llama(L.LightningModule):
+    def __init__(self, n_heads=4, dim=16, n_layers=4, mesh_dim="tensor_parallel"):
+        super().__init__()
+        self.mesh_dim = mesh_dim
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(dim, n_heads) for _ in range(n_layers))
+        self.head = Head(dim)
+        self.head.out.weight = self.embed.weight  # tied
+
+    def configure_model(self):
+        if self.device_mesh is None:  # one device
+            return
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.o": RowwiseParallel(), "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+                "mlp.down": RowwiseParallel()}
+        for block in self.blocks:
+            parallelize_module(block, self.device_mesh[self.mesh_dim], plan)
+
+    def pipeline_layers(self):
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def pipeline_loss(self, logits, batch):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), batch[1].reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self(batch[0]), batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.5)
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=g)
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+def _make(**kwargs):
+    torch.manual_seed(0)
+    return Llama(**kwargs).double()
+
+
+def _full(state):
+    return {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for n, v in state.items()}
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _fit(rank, world, schedules, checkpoint_root):
+    from lightning_pp import PipelineStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    results = {}
+    for schedule, vp in schedules:
+        model = _make()
+        strategy = PipelineStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, virtual_pipeline_size=vp,
+                                    schedule=schedule, num_microbatches=4)
+        trainer = L.Trainer(devices=world, strategy=strategy, **TRAINER)
+        trainer.fit(model, DataLoader(_data(), batch_size=BATCH))  # the user's own loader
+        trainer.save_checkpoint(os.path.join(checkpoint_root, schedule))
+        results[schedule] = _full(model.state_dict())
+
+    def fit(**kwargs):
+        strategy = PipelineStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4)
+        L.Trainer(devices=world, strategy=strategy, **TRAINER).fit(_make(**kwargs), DataLoader(_data(), batch_size=BATCH))
+
+    results["heads"] = _error(lambda: fit(n_heads=1))
+    results["other mesh"] = _error(lambda: fit(mesh_dim="dp"))
+    return results
+
+
+def _assert_matches(held, reference, initial, what):
+    """Equal to one device within 1e-9 of the update's size."""
+    for key, value in held.items():
+        update = (reference[key] - initial[key]).abs().max().item()
+        error = (value - reference[key]).abs().max().item()
+        assert error <= 1e-9 * max(update, 1e-12), f"{what}: {key} differs by {error:.3e} (update {update:.3e})"
+
+
+def _consolidated(directory):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = directory + ".pt"
+    dcp_to_torch_save(directory, out)
+    return torch.load(out, weights_only=False)["model"]
+
+
+@pytest.mark.timeout(500)
+def test_tensor_parallel_stages_equal_one_device_and_bad_plans_are_refused(tmp_path):
+    model = _make()
+    initial = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    # Lightning's distributed sampler shuffles with seed 0 under a distributed strategy (one
+    # data-parallel replica here): one device reads the samples in that order.
+    order = list(DistributedSampler(_data(), num_replicas=1, rank=0, shuffle=True, seed=0))
+    L.Trainer(devices=1, **TRAINER).fit(model, DataLoader(Subset(_data(), order), batch_size=BATCH))
+    reference = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    per_rank = run_distributed(_fit, 4, SCHEDULES, str(tmp_path), timeout=480)
+    for schedule, _ in SCHEDULES:
+        held = [r[schedule] for r in per_rank]
+        assert set().union(*held) == set(reference), schedule
+        for rank, state in enumerate(held):
+            _assert_matches(state, reference, initial, f"{schedule}, rank {rank}")
+        saved = _consolidated(os.path.join(str(tmp_path), schedule))
+        assert set(saved) == set(reference), (schedule, set(saved) ^ set(reference))
+        _assert_matches(saved, reference, initial, f"{schedule}, consolidated checkpoint")
+    for result in per_rank:  # every rank raises the same error at setup
+        assert "n_heads=1 is not divisible by tensor_parallel_size=2" in (result["heads"] or ""), result["heads"]
+        other = result["other mesh"] or ""
+        assert "over a mesh other than the tensor-parallel one" in other and "blocks." in other, other
+        assert "'dp'" in other and "self.device_mesh['tensor_parallel']" in other, other
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_world_is_refused_before_processes_start():
+    from lightning_pp.runtime import PipelineConfig
+
+    with pytest.raises(ValueError, match=r"world size 4 is not divisible by .* = 2 \* 3 \* 1.*tensor_parallel_size in \[1, 2\]"):
+        PipelineConfig(pipeline_parallel_size=2, tensor_parallel_size=3).resolve(4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 with data_parallel_sharding='full' is not supported yet"):
+        PipelineConfig(tensor_parallel_size=2, data_parallel_sharding="full").resolve(8)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 with expert_parallel_size=2 is not supported yet"):
+        PipelineConfig(tensor_parallel_size=2, expert_parallel_size=2).resolve(8)
