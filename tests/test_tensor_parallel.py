@@ -6,13 +6,15 @@ A Llama-style decoder written as users write it for Lightning's ``ModelParallelS
 and the head are tied. Trained with ``Trainer.fit`` and Lightning's defaults at pp=2 x tp=2 under
 several schedules in one launch, against the same Trainer on one device (float64), with gradient
 clipping by the global norm (which must count each tensor-parallel shard once and each replicated
-parameter once): parameters after ``fit`` and the consolidated checkpoint equal one device's.
+parameter once): parameters after ``fit`` and the consolidated checkpoint (one device's names and
+optimizer format) equal one device's.
 The same launch checks the errors: a head count that the tensor-parallel size does not divide, and
 DTensors over a mesh other than the tensor-parallel one."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -169,11 +171,11 @@ def _assert_matches(held, reference, initial, what):
 
 
 def _consolidated(directory):
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """The checkpoint as Lightning's consolidate_checkpoint makes it: a one-device checkpoint."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
 
-    out = directory + ".pt"
-    dcp_to_torch_save(directory, out)
-    return torch.load(out, weights_only=False)["model"]
+    return _format_checkpoint(_load_distributed_checkpoint(Path(directory)))
 
 
 @pytest.mark.timeout(500)
@@ -183,17 +185,25 @@ def test_tensor_parallel_stages_equal_one_device_and_bad_plans_are_refused(tmp_p
     # Lightning's distributed sampler shuffles with seed 0 under a distributed strategy (one
     # data-parallel replica here): one device reads the samples in that order.
     order = list(DistributedSampler(_data(), num_replicas=1, rank=0, shuffle=True, seed=0))
-    L.Trainer(devices=1, **TRAINER).fit(model, DataLoader(Subset(_data(), order), batch_size=BATCH))
+    trainer = L.Trainer(devices=1, **TRAINER)
+    trainer.fit(model, DataLoader(Subset(_data(), order), batch_size=BATCH))
     reference = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    momentum = {i: s["momentum_buffer"] for i, s in trainer.optimizers[0].state_dict()["state"].items()}
     per_rank = run_distributed(_fit, 4, SCHEDULES, str(tmp_path), timeout=480)
     for schedule, _ in SCHEDULES:
         held = [r[schedule] for r in per_rank]
         assert set().union(*held) == set(reference), schedule
         for rank, state in enumerate(held):
             _assert_matches(state, reference, initial, f"{schedule}, rank {rank}")
-        saved = _consolidated(os.path.join(str(tmp_path), schedule))
+        checkpoint = _consolidated(os.path.join(str(tmp_path), schedule))
+        saved = checkpoint["state_dict"]
         assert set(saved) == set(reference), (schedule, set(saved) ^ set(reference))
         _assert_matches(saved, reference, initial, f"{schedule}, consolidated checkpoint")
+        (optimizer,) = checkpoint["optimizer_states"]  # one device's format, the tensor-parallel shards joined
+        assert sorted(optimizer["state"]) == sorted(str(i) for i in momentum), schedule
+        for i, value in momentum.items():
+            torch.testing.assert_close(optimizer["state"][str(i)]["momentum_buffer"], value, rtol=1e-9, atol=1e-12,
+                                       msg=f"{schedule}: momentum of parameter {i}")
     for result in per_rank:  # every rank raises the same error at setup
         assert "n_heads=1 is not divisible by tensor_parallel_size=2" in (result["heads"] or ""), result["heads"]
         other = result["other mesh"] or ""
