@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from distributed import run_distributed
 
@@ -87,7 +87,7 @@ class Llama(L.LightningModule):
         self.head.out.weight = self.embed.weight  # tied
 
     def configure_model(self):
-        if self.device_mesh is None:  # one device
+        if self.device_mesh is None or self.mesh_dim is None:  # one device, or no tensor parallelism
             return
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -157,9 +157,29 @@ def _fit(rank, world, schedules, checkpoint_root):
         strategy = PipelineStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4)
         L.Trainer(devices=world, strategy=strategy, **TRAINER).fit(_make(**kwargs), DataLoader(_data(), batch_size=BATCH))
 
+    # Resumed from the 1f1b run's checkpoint for a second epoch, optimizer included; at another
+    # tensor-parallel size, refused.
+    model = _make()
+    strategy = PipelineStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4)
+    L.Trainer(devices=world, strategy=strategy, **{**TRAINER, "max_epochs": 2}).fit(
+        model, DataLoader(_data(), batch_size=BATCH), ckpt_path=os.path.join(checkpoint_root, "1f1b"))
+    results["resumed"] = _full(model.state_dict())
+    strategy = PipelineStrategy(pipeline_parallel_size=2, num_microbatches=4)
+    results["other tp"] = _error(lambda: L.Trainer(devices=world, strategy=strategy, **{**TRAINER, "max_epochs": 2}).fit(
+        _make(mesh_dim=None), DataLoader(_data(), batch_size=BATCH), ckpt_path=os.path.join(checkpoint_root, "1f1b")))
     results["heads"] = _error(lambda: fit(n_heads=1))
     results["other mesh"] = _error(lambda: fit(mesh_dim="dp"))
     return results
+
+
+def _one_device(epochs):
+    from lightning_models import OneDeviceOrder
+
+    model = _make()
+    trainer = L.Trainer(devices=1, **{**TRAINER, "max_epochs": epochs})
+    trainer.fit(model, DataLoader(_data(), batch_size=BATCH, sampler=OneDeviceOrder(_data(), [1] * epochs, BATCH)))
+    momentum = {i: s["momentum_buffer"] for i, s in trainer.optimizers[0].state_dict()["state"].items()}
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}, momentum
 
 
 def _assert_matches(held, reference, initial, what):
@@ -180,15 +200,11 @@ def _consolidated(directory):
 
 @pytest.mark.timeout(500)
 def test_tensor_parallel_stages_equal_one_device_and_bad_plans_are_refused(tmp_path):
-    model = _make()
-    initial = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    initial = {n: p.detach().clone() for n, p in _make().state_dict().items()}
     # Lightning's distributed sampler shuffles with seed 0 under a distributed strategy (one
-    # data-parallel replica here): one device reads the samples in that order.
-    order = list(DistributedSampler(_data(), num_replicas=1, rank=0, shuffle=True, seed=0))
-    trainer = L.Trainer(devices=1, **TRAINER)
-    trainer.fit(model, DataLoader(Subset(_data(), order), batch_size=BATCH))
-    reference = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    momentum = {i: s["momentum_buffer"] for i, s in trainer.optimizers[0].state_dict()["state"].items()}
+    # data-parallel replica here), reshuffled every epoch: one device reads the samples in that order.
+    reference, momentum = _one_device(epochs=1)
+    two_epochs, _ = _one_device(epochs=2)
     per_rank = run_distributed(_fit, 4, SCHEDULES, str(tmp_path), timeout=480)
     for schedule, _ in SCHEDULES:
         held = [r[schedule] for r in per_rank]
@@ -204,6 +220,10 @@ def test_tensor_parallel_stages_equal_one_device_and_bad_plans_are_refused(tmp_p
         for i, value in momentum.items():
             torch.testing.assert_close(optimizer["state"][str(i)]["momentum_buffer"], value, rtol=1e-9, atol=1e-12,
                                        msg=f"{schedule}: momentum of parameter {i}")
+    for rank, result in enumerate(per_rank):
+        _assert_matches(result["resumed"], two_epochs, reference, f"resumed for a second epoch, rank {rank}")
+        assert "saved at tensor_parallel_size=2 and this run has tensor_parallel_size=1" in (result["other tp"] or ""), \
+            result["other tp"]
     for result in per_rank:  # every rank raises the same error at setup
         assert "n_heads=1 is not divisible by tensor_parallel_size=2" in (result["heads"] or ""), result["heads"]
         other = result["other mesh"] or ""

@@ -26,7 +26,7 @@ from lightning_pp.runtime.dtensors import is_dtensor, laid_out_like
 from lightning_pp.runtime.dtensors import local as local_of
 from lightning_pp.runtime.dp.sharding import StageSharding
 from lightning_pp.runtime.topology import Topology
-from lightning_pp.runtime.tp.params import refuse_other_meshes
+from lightning_pp.runtime.tp.params import local_grad, refuse_other_meshes
 from lightning_pp.schedules import WEIGHT_GRAD, Action
 
 
@@ -308,7 +308,7 @@ class GradientSync:
         if scale != 1.0:
             for p in self.params:
                 if p.grad is not None:
-                    local_of(p.grad).mul_(scale)
+                    local_grad(p).mul_(scale)
 
     def nonfinite_flags(self, device: torch.device) -> list[tuple[int, torch.Tensor]]:
         """(virtual stage, 1.0 if a gradient of its parameters on this rank holds inf/nan), before

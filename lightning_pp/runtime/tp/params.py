@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pp.runtime.dtensors import is_dtensor
+from lightning_pp.runtime.dtensors import local as local_of
 from lightning_pp.runtime.topology import Topology
 
 
@@ -99,3 +100,17 @@ def check_tensor_parallel_model(module: torch.nn.Module, topology: Topology) -> 
                     f"{name or type(module).__name__}.{attr}={heads} is not divisible by "
                     f"tensor_parallel_size={topology.tp}: its tensor-parallel split gives every rank whole heads. "
                     f"Use a tensor_parallel_size that divides {heads}.")
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``param``'s gradient, which must be laid out as ``param`` is: a gradient
+    left partial over the tensor-parallel ranks (as sequence-parallel layers can leave a replicated
+    norm weight's) would be reduced and stepped as if it were whole."""
+    grad = param.grad
+    if is_dtensor(grad) and tuple(grad.placements) != tuple(param.placements):
+        raise ValueError(
+            f"a tensor-parallel parameter of shape {tuple(param.shape)} laid out as {tuple(param.placements)} over "
+            f"{param.device_mesh.mesh_dim_names} has a gradient laid out as {tuple(grad.placements)}: sequence "
+            f"parallelism (or another plan leaving gradients partial) is not supported yet inside pipeline stages. "
+            f"Use ColwiseParallel/RowwiseParallel with replicated activations between the blocks.")
+    return local_of(grad)
