@@ -9,7 +9,8 @@ clipping by the global norm (which must count each tensor-parallel shard once an
 parameter once): parameters after ``fit`` and the consolidated checkpoint (one device's names and
 optimizer format) equal one device's.
 The same launch checks the errors: a head count that the tensor-parallel size does not divide, and
-DTensors over a mesh other than the tensor-parallel one."""
+DTensors over a mesh other than the tensor-parallel one; resuming from a checkpoint, exactly at the
+same tensor-parallel size and refused at another; the same model under Fabric."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 from distributed import run_distributed
 
@@ -77,6 +78,16 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
+def parallelize(blocks, mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(), "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel()}
+    for block in blocks:
+        parallelize_module(block, mesh, plan)
+
+
 class Llama(L.LightningModule):
     def __init__(self, n_heads=4, dim=16, n_layers=4, mesh_dim="tensor_parallel"):
         super().__init__()
@@ -89,13 +100,7 @@ class Llama(L.LightningModule):
     def configure_model(self):
         if self.device_mesh is None or self.mesh_dim is None:  # one device, or no tensor parallelism
             return
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-                "attn.o": RowwiseParallel(), "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
-                "mlp.down": RowwiseParallel()}
-        for block in self.blocks:
-            parallelize_module(block, self.device_mesh[self.mesh_dim], plan)
+        parallelize(self.blocks, self.device_mesh[self.mesh_dim])
 
     def pipeline_layers(self):
         return [self.embed, *self.blocks, self.head]
@@ -164,6 +169,7 @@ def _fit(rank, world, schedules, checkpoint_root):
     L.Trainer(devices=world, strategy=strategy, **{**TRAINER, "max_epochs": 2}).fit(
         model, DataLoader(_data(), batch_size=BATCH), ckpt_path=os.path.join(checkpoint_root, "1f1b"))
     results["resumed"] = _full(model.state_dict())
+    results["fabric"] = _fabric(world)  # before the errors below, which a Fabric run would inherit
     strategy = PipelineStrategy(pipeline_parallel_size=2, num_microbatches=4)
     results["other tp"] = _error(lambda: L.Trainer(devices=world, strategy=strategy, **{**TRAINER, "max_epochs": 2}).fit(
         _make(mesh_dim=None), DataLoader(_data(), batch_size=BATCH), ckpt_path=os.path.join(checkpoint_root, "1f1b")))
@@ -180,6 +186,27 @@ def _one_device(epochs):
     trainer.fit(model, DataLoader(_data(), batch_size=BATCH, sampler=OneDeviceOrder(_data(), [1] * epochs, BATCH)))
     momentum = {i: s["momentum_buffer"] for i, s in trainer.optimizers[0].state_dict()["state"].items()}
     return {n: p.detach().clone() for n, p in model.state_dict().items()}, momentum
+
+
+def _fabric(world):
+    """The same model under Fabric: split before setup_module over the strategy's mesh, one epoch in
+    the Trainer's order, clipped by the global norm."""
+    from lightning_pp import FabricPipelineStrategy
+
+    strategy = FabricPipelineStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="64-true")
+    fabric.launch()
+    model = _make()
+    parallelize(model.blocks, fabric.strategy.device_mesh["tensor_parallel"])
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(model.configure_optimizers())
+    order = list(DistributedSampler(_data(), num_replicas=1, rank=0, shuffle=True, seed=0))
+    for batch in DataLoader(Subset(_data(), order), batch_size=BATCH):
+        optimizer.zero_grad()
+        fabric.strategy.pipeline_step(model, batch)
+        fabric.clip_gradients(model, optimizer, max_norm=TRAINER["gradient_clip_val"])
+        optimizer.step()
+    return _full(model.state_dict())
 
 
 def _assert_matches(held, reference, initial, what):
@@ -221,6 +248,7 @@ def test_tensor_parallel_stages_equal_one_device_and_bad_plans_are_refused(tmp_p
             torch.testing.assert_close(optimizer["state"][str(i)]["momentum_buffer"], value, rtol=1e-9, atol=1e-12,
                                        msg=f"{schedule}: momentum of parameter {i}")
     for rank, result in enumerate(per_rank):
+        _assert_matches(result["fabric"], reference, initial, f"Fabric, rank {rank}")
         _assert_matches(result["resumed"], two_epochs, reference, f"resumed for a second epoch, rank {rank}")
         assert "saved at tensor_parallel_size=2 and this run has tensor_parallel_size=1" in (result["other tp"] or ""), \
             result["other tp"]
