@@ -89,18 +89,25 @@ def parallelize(blocks, mesh):
 
 
 class Llama(L.LightningModule):
-    def __init__(self, n_heads=4, dim=16, n_layers=4, mesh_dim="tensor_parallel"):
+    def __init__(self, n_heads=4, dim=16, n_layers=4, mesh_dim="tensor_parallel", loss_parallel=False):
         super().__init__()
-        self.mesh_dim = mesh_dim
+        self.mesh_dim, self.loss_parallel = mesh_dim, loss_parallel
         self.embed = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList(Block(dim, n_heads) for _ in range(n_layers))
         self.head = Head(dim)
-        self.head.out.weight = self.embed.weight  # tied
+        if not loss_parallel:
+            self.head.out.weight = self.embed.weight  # tied
 
     def configure_model(self):
         if self.device_mesh is None or self.mesh_dim is None:  # one device, or no tensor parallelism
             return
         parallelize(self.blocks, self.device_mesh[self.mesh_dim])
+        if self.loss_parallel:  # the head's logits left sharded over the vocabulary
+            from torch.distributed.tensor import Shard
+            from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+            parallelize_module(self.head.out, self.device_mesh[self.mesh_dim],
+                               ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
 
     def pipeline_layers(self):
         return [self.embed, *self.blocks, self.head]
@@ -175,6 +182,7 @@ def _fit(rank, world, schedules, checkpoint_root):
         _make(mesh_dim=None), DataLoader(_data(), batch_size=BATCH), ckpt_path=os.path.join(checkpoint_root, "1f1b")))
     results["heads"] = _error(lambda: fit(n_heads=1))
     results["other mesh"] = _error(lambda: fit(mesh_dim="dp"))
+    results["loss parallel"] = _error(lambda: fit(loss_parallel=True))
     return results
 
 
@@ -257,6 +265,8 @@ def test_tensor_parallel_stages_equal_one_device_and_bad_plans_are_refused(tmp_p
         other = result["other mesh"] or ""
         assert "over a mesh other than the tensor-parallel one" in other and "blocks." in other, other
         assert "'dp'" in other and "self.device_mesh['tensor_parallel']" in other, other
+        lp = result["loss parallel"] or ""
+        assert "given to pipeline_loss, is a DTensor" in lp and "Loss parallelism" in lp and "not supported yet" in lp, lp
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_world_is_refused_before_processes_start():

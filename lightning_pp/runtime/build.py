@@ -171,6 +171,7 @@ def assemble_step_parts(module: nn.Module, partition: Partition, topology: Topol
                         schedule.spec.fused, module.pipeline_loss,
                         getattr(module, "pipeline_inputs", None) or default_pipeline_inputs,
                         getattr(module, "pipeline_predict", None))  # where a predict_step's work goes
+    stage.tensor_parallel = topology.tp > 1
     subs = [sub for chunk in partition.chunks for layer in chunk.layers for sub in layer.modules()]
     hooks = [sub.pipeline_step_end for sub in subs if isinstance(sub, StepObserver)]
     # compile=: torch.compile's recompilations and graph breaks, counted per step

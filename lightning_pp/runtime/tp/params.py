@@ -114,3 +114,15 @@ def local_grad(param: torch.Tensor) -> torch.Tensor:
             f"parallelism (or another plan leaving gradients partial) is not supported yet inside pipeline stages. "
             f"Use ColwiseParallel/RowwiseParallel with replicated activations between the blocks.")
     return local_of(grad)
+
+
+def refuse_distributed_values(values, where: str) -> None:
+    """A DTensor (a plan's ``use_local_output=False``: loss parallel, sequence-parallel outputs) must not
+    reach a stage boundary or ``pipeline_loss``: not supported yet."""
+    from torch.utils._pytree import tree_leaves
+
+    if any(is_dtensor(v) for v in tree_leaves(values) if isinstance(v, torch.Tensor)):
+        raise ValueError(
+            f"{where} is a DTensor: a tensor-parallel plan left a layer's output distributed (use_local_output=False, "
+            f"as loss parallelism does). Loss parallelism and distributed activations between pipeline layers are "
+            f"not supported yet: keep parallelize_module's default use_local_output=True.")
