@@ -103,7 +103,7 @@ def describe_layout(layout: Optional[dict]) -> str:
     return (
         f"pp={layout['pipeline_parallel_size']} x vp={layout['virtual_pipeline_size']} "
         f"(layers per virtual stage {layers}, {sum(layers)} layers), ep={layout['expert_parallel_size']}, "
-        f"tp={layout.get('tensor_parallel_size', 1)}, "
+        f"{'tp=%d, ' % layout['tensor_parallel_size'] if layout.get('tensor_parallel_size', 1) != 1 else ''}"
         f"dp={layout['data_parallel_size']}{' (sharded)' if layout.get('data_parallel_sharding') == 'full' else ''}, "
         f"world size {layout['world_size']}"
     )
