@@ -19,6 +19,7 @@ RUNTIME_FLOORS = [
     ("transport",),  # stage-boundary transfers, bounded waits
     ("plans",),      # schedule-plan nodes, the zero-bubble split
     ("cut",),        # cutting a model into chunks, layouts
+    ("tp",),         # tensor parallelism inside stages: which DTensors are the tensor-parallel ones
     ("dp",),         # data-parallel machinery: gradient reductions, sharding, the norm
     ("compile",),    # compile=
     ("config",),     # PipelineConfig, ResolvedPipeline

@@ -50,7 +50,8 @@ def test_every_constructor_argument_reaches_its_field(cls):
     field: the constructors name every field (a new field without a value here fails the test)."""
     import datetime
 
-    values = dict(pipeline_parallel_size=2, expert_parallel_size=2, virtual_pipeline_size=2, num_microbatches=6,
+    values = dict(pipeline_parallel_size=2, expert_parallel_size=2, tensor_parallel_size=2, virtual_pipeline_size=2,
+                  num_microbatches=6,
                   schedule="interleaved", layout=[1, 2, 2, 1], microbatch_group_size=2,
                   timeout=datetime.timedelta(seconds=7), nonfinite="skip", watchdog=False,
                   activation_checkpointing=True, static_shapes=False, check_batches="warn", broadcast_batches=True,

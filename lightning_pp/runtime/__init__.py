@@ -10,7 +10,8 @@ own floor and the ones below; tests/test_imports.py holds the order):
   :mod:`~lightning_pp.runtime.dtensors`, :mod:`~lightning_pp.runtime.layer` (how one layer runs);
 * ``failure/`` (one rank's failure made every rank's clear error), ``transport/`` (stage-boundary
   transfers, bounded waits), ``plans/`` (fine-grained schedule plans), ``cut/`` (cutting a model
-  into chunks), ``dp/`` (gradient reductions, sharding, the norm), ``compile/`` (``compile=``);
+  into chunks), ``tp/`` (which DTensors are tensor-parallel), ``dp/`` (gradient reductions,
+  sharding, the norm), ``compile/`` (``compile=``);
 * :mod:`~lightning_pp.runtime.config` (``PipelineConfig``), ``step/`` (the step loop and what one
   action does), :mod:`~lightning_pp.runtime.measure` (``layout="auto"``),
   :mod:`~lightning_pp.runtime.build` (``build_pipeline``, which assembles the executor's parts).

@@ -40,6 +40,7 @@ from lightning_pp.runtime.step.rng import StageRNG
 from lightning_pp.runtime.step.stage import StageRunner
 from lightning_pp.runtime.timeline import Timeline
 from lightning_pp.runtime.topology import Topology, build_topology
+from lightning_pp.runtime.tp.params import check_tensor_parallel_model
 from lightning_pp.runtime.transport.p2p import PointToPoint
 from lightning_pp.runtime.transport.waits import BoundedWait
 from lightning_pp.schedules.tables import rank_plan
@@ -98,13 +99,14 @@ def build_pipeline(
     elif topology is None:
         resolve_layout(config.layout, len(layers), schedule.num_stages)  # before any group exists
     if topology is None:
-        topology = build_topology(schedule.pp, config.expert_parallel_size, device.type)
+        topology = build_topology(schedule.pp, config.expert_parallel_size, device.type, config.tensor_parallel_size)
     for i in recomputed:
         facts(layers[i])[CHECKPOINT] = True  # read by run_layer; kept with the layer if it stays here
     choice = None if auto is None else decide_layout(
         module, layers, schedule, example_batch, device, auto.memory_budget, auto.repeats,
         topology.dp if config.data_parallel_sharding == "full" else 1)
     layout = config.layout if choice is None else choice.layout
+    check_tensor_parallel_model(module, topology)  # the whole model, alike on every rank
     partition = cut_model(module, schedule.pp, schedule.vp, topology.pp_rank, layout, layers=layers,
                           placement=schedule.placement)
     setup_expert_parallel(partition, topology, device)
@@ -169,6 +171,7 @@ def assemble_step_parts(module: nn.Module, partition: Partition, topology: Topol
                         schedule.spec.fused, module.pipeline_loss,
                         getattr(module, "pipeline_inputs", None) or default_pipeline_inputs,
                         getattr(module, "pipeline_predict", None))  # where a predict_step's work goes
+    stage.tensor_parallel = topology.tp > 1
     subs = [sub for chunk in partition.chunks for layer in chunk.layers for sub in layer.modules()]
     hooks = [sub.pipeline_step_end for sub in subs if isinstance(sub, StepObserver)]
     # compile=: torch.compile's recompilations and graph breaks, counted per step

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 from lightning_pp.runtime.compile.layers import CompileOption, check_compile_option
-from lightning_pp.runtime.cut.layout import AutoLayout, Layout, check_layout_option
+from lightning_pp.runtime.cut.layout import AutoLayout, Layout, auto_layout_of, check_layout_option
 from lightning_pp.runtime.failure.watchdog import WatchdogConfig
 from lightning_pp.runtime.layer import CheckpointPolicy, checkpointed_layers
 from lightning_pp.runtime.dp.sharding import DataParallelSharding, check_sharding_mode
@@ -62,6 +62,10 @@ class PipelineConfig:
     """Pipeline stages; default: the world size divided by ``expert_parallel_size``."""
     expert_parallel_size: int = 1
     """Ranks per expert-parallel group (inside one stage)."""
+    tensor_parallel_size: int = 1
+    """Ranks per tensor-parallel group (inside one stage, consecutive ranks): the world is
+    pipeline x data x tensor parallel. The layers are split by the user's ``parallelize_module``
+    calls over ``self.device_mesh["tensor_parallel"]`` in ``configure_model`` (``docs/tensor_parallel.md``)."""
     virtual_pipeline_size: Optional[int] = None
     """Model chunks per rank; default: the schedule's own (2 for ``interleaved``, ``zbv`` and
     ``dualpipev``, whose stages sit in a V; 1 for the others)."""
@@ -129,16 +133,33 @@ class PipelineConfig:
         if not isinstance(self.watchdog, (bool, WatchdogConfig)):
             raise ValueError(f"watchdog={self.watchdog!r} is invalid: pass True, False or a WatchdogConfig.")
         checkpointed_layers([], self.activation_checkpointing)  # the policy's form; its layers at the cut
+        positive_int("tensor_parallel_size", self.tensor_parallel_size, "Use 1 for no tensor parallelism.")
         if self.pipeline_parallel_size is not None:
             self._schedule(self.pipeline_parallel_size)  # validates the schedule with its sizes
         else:  # the sizes that need no pipeline size; the rest when the world size is known (resolve)
             fixes = {"expert_parallel_size": "1 for no expert parallelism",
+                     "tensor_parallel_size": "1 for no tensor parallelism",
                      "virtual_pipeline_size": "None (the schedule's own chunk count)",
                      "num_microbatches": "2 * pipeline_parallel_size", "microbatch_group_size": "None (the pipeline size)"}
             for name, fix in fixes.items():
                 value = getattr(self, name)
                 if value is not None:
                     positive_int(name, value, f"Use e.g. {fix}.")
+
+    def _refuse_with_tensor_parallel(self) -> None:
+        """The options that do not combine with ``tensor_parallel_size > 1`` yet (issue 37)."""
+        if self.tensor_parallel_size == 1:
+            return
+        combos = {"data_parallel_sharding": (self.data_parallel_sharding != "none", "'none'"),
+                  "expert_parallel_size": (self.expert_parallel_size != 1, "1"),
+                  "compile": (self.compile is not False, "False"),
+                  "layout": (auto_layout_of(self.layout) is not None, "a list or None")}
+        for name, (given, fix) in combos.items():
+            if given:
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} with {name}={getattr(self, name)!r} is not "
+                    f"supported yet: tensor parallelism inside pipeline stages does not combine with it. Use "
+                    f"{name}={fix}, or tensor_parallel_size=1.")
 
     @classmethod
     def with_options(cls, config: Optional["PipelineConfig"], options: dict) -> "PipelineConfig":
@@ -170,15 +191,16 @@ class PipelineConfig:
 
     def dims(self, world_size: int) -> ParallelDims:
         """The parallel sizes for ``world_size`` ranks (checked)."""
-        ep = self.expert_parallel_size
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
         if self.pipeline_parallel_size is None:
-            ParallelDims(world_size, 1, ep).check()
-            return ParallelDims(world_size, world_size // ep, ep).check()
-        return ParallelDims(world_size, self.pipeline_parallel_size, ep).check()
+            ParallelDims(world_size, 1, ep, tp).check()
+            return ParallelDims(world_size, world_size // (ep * tp), ep, tp).check()
+        return ParallelDims(world_size, self.pipeline_parallel_size, ep, tp).check()
 
     def resolve(self, world_size: int) -> "ResolvedPipeline":
         """This configuration for ``world_size`` ranks: the sizes, the pipeline size and the
         microbatch count filled in, and the schedule validated with them, made once."""
+        self._refuse_with_tensor_parallel()
         dims = self.dims(world_size)
         schedule = self._schedule(dims.pp)
         config = dataclasses.replace(self, pipeline_parallel_size=dims.pp, virtual_pipeline_size=schedule.vp,

@@ -88,6 +88,7 @@ def layout_of(executor) -> dict:
         "pipeline_parallel_size": config.pp,
         "virtual_pipeline_size": config.vp,
         "expert_parallel_size": topology.ep,
+        "tensor_parallel_size": topology.tp,
         "data_parallel_size": topology.dp,
         "layers_per_stage": list(executor.partition.layout),
         "schedule": config.schedule,
@@ -102,6 +103,7 @@ def describe_layout(layout: Optional[dict]) -> str:
     return (
         f"pp={layout['pipeline_parallel_size']} x vp={layout['virtual_pipeline_size']} "
         f"(layers per virtual stage {layers}, {sum(layers)} layers), ep={layout['expert_parallel_size']}, "
+        f"{'tp=%d, ' % layout['tensor_parallel_size'] if layout.get('tensor_parallel_size', 1) != 1 else ''}"
         f"dp={layout['data_parallel_size']}{' (sharded)' if layout.get('data_parallel_sharding') == 'full' else ''}, "
         f"world size {layout['world_size']}"
     )
@@ -246,6 +248,7 @@ def load(path: Any, shards: dict[str, Any], layout: Optional[dict] = None) -> di
             f"checkpoint directory that the pipeline strategy saved."
         )
     meta = torch.load(path / META_FILE, weights_only=False)
+    _refuse_other_tensor_parallel_size(path, meta.get(LAYOUT_KEY) if isinstance(meta, dict) else None, layout)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     requests, problems, optimizer_problems = {}, [], []
     for prefix, shard in shards.items():
@@ -280,8 +283,28 @@ def load(path: Any, shards: dict[str, Any], layout: Optional[dict] = None) -> di
     return meta
 
 
+def _refuse_other_tensor_parallel_size(path: Path, saved: Optional[dict], layout: Optional[dict]) -> None:
+    """Resuming at another tensor-parallel size is not supported yet (issue 37): the same error on
+    every rank (each reads the same record)."""
+    was = (saved or {}).get("tensor_parallel_size", 1)
+    now = (layout or {}).get("tensor_parallel_size", 1)
+    if was != now:
+        raise ValueError(
+            f"the checkpoint {path} was saved at tensor_parallel_size={was} and this run has tensor_parallel_size="
+            f"{now}: loading a checkpoint at another tensor-parallel size is not supported yet. Resume at "
+            f"tensor_parallel_size={was}.")
+
+
 def load_full_state_dict(module: nn.Module, state_dict: dict, strict: bool = True) -> None:
     """Load a single-file (unsharded) state dict into a cut module: each rank takes its own keys."""
+    from lightning_pp.runtime import find_executor
+
+    executor = find_executor(module)
+    if executor is not None and executor.topology.tp > 1:
+        raise ValueError(
+            f"loading a single-file (one-device or consolidated) checkpoint into a model split with "
+            f"tensor_parallel_size={executor.topology.tp} is not supported yet; load it at tensor_parallel_size=1, "
+            f"or resume from the sharded checkpoint directory saved at this tensor-parallel size.")
     own = module.state_dict()
     missing = [k for k in own if k not in state_dict]
     if strict and missing:

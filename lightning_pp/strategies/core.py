@@ -102,7 +102,7 @@ class PipelineEngine:
         if self.topology is None:
             destroy_process_groups_at_exit()
             resolved = self.resolve(dist.get_world_size())  # every check that needs the world size
-            self.topology = build_topology(resolved.dims.pp, resolved.dims.ep, device_type)
+            self.topology = build_topology(resolved.dims.pp, resolved.dims.ep, device_type, resolved.dims.tp)
             _log.info("lightning_pp: schedule=%s, pipeline_parallel_size=%d, virtual_pipeline_size=%d, "
                       "num_microbatches=%d, expert_parallel_size=%d, data-parallel replicas=%d",
                       resolved.schedule.schedule, resolved.dims.pp, resolved.schedule.vp,

@@ -77,6 +77,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self,
         pipeline_parallel_size: Optional[int] = None,
         expert_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
         virtual_pipeline_size: Optional[int] = None,
         num_microbatches: Optional[int] = None,
         schedule: str = "1f1b",
@@ -112,6 +113,7 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         )
         config = PipelineConfig(  # every option by name, so a reader (or a tool) can follow each one
             pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
             virtual_pipeline_size=virtual_pipeline_size, num_microbatches=num_microbatches, schedule=schedule,
             layout=layout, microbatch_group_size=microbatch_group_size, timeout=pipeline_timeout, nonfinite=nonfinite,
             watchdog=pipeline_watchdog, activation_checkpointing=activation_checkpointing, static_shapes=static_shapes,
@@ -126,6 +128,13 @@ class FabricPipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self.engine.setup_topology(self.root_device.type)
         self._shard_data_over_data_parallel()
         self._install_excepthook()
+
+    @property
+    def device_mesh(self):
+        """The ("pp", "edp", "ep", "tp") device mesh (after setup), as Lightning's
+        ``ModelParallelStrategy.device_mesh``: ``["tensor_parallel"]`` and ``["data_parallel"]`` name
+        its tensor- and data-parallel groups, for ``parallelize_module`` before ``setup_module``."""
+        return self.engine.topology.mesh if self.engine.topology is not None else None
 
     def _install_excepthook(self) -> None:
         """Fabric has no ``on_exception`` hook: an exception that ends the program (uncaught, so

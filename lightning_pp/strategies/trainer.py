@@ -63,6 +63,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         self,
         pipeline_parallel_size: Optional[int] = None,
         expert_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
         virtual_pipeline_size: Optional[int] = None,
         num_microbatches: Optional[int] = None,
         schedule: str = "1f1b",
@@ -98,6 +99,7 @@ class PipelineStrategy(PipelineStrategyMixin, DDPStrategy):
         )
         config = PipelineConfig(  # every option by name, so a reader (or a tool) can follow each one
             pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
             virtual_pipeline_size=virtual_pipeline_size, num_microbatches=num_microbatches, schedule=schedule,
             layout=layout, microbatch_group_size=microbatch_group_size, timeout=pipeline_timeout, nonfinite=nonfinite,
             watchdog=pipeline_watchdog, activation_checkpointing=activation_checkpointing, static_shapes=static_shapes,

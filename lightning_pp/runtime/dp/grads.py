@@ -22,10 +22,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_pp.runtime.cut.partition import Partition, tie_groups_for
 from lightning_pp.runtime.dp.sharded_grads import ShardedBucket
-from lightning_pp.runtime.dtensors import is_dtensor
+from lightning_pp.runtime.dtensors import is_dtensor, laid_out_like
 from lightning_pp.runtime.dtensors import local as local_of
 from lightning_pp.runtime.dp.sharding import StageSharding
 from lightning_pp.runtime.topology import Topology
+from lightning_pp.runtime.tp.params import local_grad, refuse_other_meshes
 from lightning_pp.schedules import WEIGHT_GRAD, Action
 
 
@@ -42,7 +43,7 @@ def grads_nonfinite(grads, device: torch.device) -> torch.Tensor:
         if grad.is_sparse:
             found += (~torch.isfinite(grad.coalesce().values())).any().float()
         else:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
+            by_dtype.setdefault(grad.dtype, []).append(local_of(grad))  # a DTensor's shard: this rank's values
     if by_dtype:
         one = torch.ones(1, dtype=torch.float32, device=device)
         for grads in by_dtype.values():
@@ -69,7 +70,7 @@ def _flatten_with_presence(params: Sequence[torch.Tensor]) -> torch.Tensor:
     element per parameter, 1 where it has a gradient: summed over replicas, a count of the replicas
     that produced one, so the reduction itself tells whether the sum is a gradient or no gradient
     at all, as on one device, without another collective."""
-    return _flatten_grads([p.grad for p in params], params)
+    return _flatten_grads([None if p.grad is None else local_of(p.grad) for p in params], [local_of(p) for p in params])
 
 
 def _flatten_grads(grads: Sequence[Optional[torch.Tensor]], like: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -81,25 +82,25 @@ def _flatten_grads(grads: Sequence[Optional[torch.Tensor]], like: Sequence[torch
 def _unflatten_with_presence(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Write a reduced buffer of :func:`_flatten_with_presence` back: the summed gradient where any
     replica had one, ``None`` where none had."""
-    shapes = [p for p in params] + [flat.new_empty(len(params))]
+    shapes = [local_of(p) for p in params] + [flat.new_empty(len(params))]
     *reduced, presence = _unflatten_dense_tensors(flat, shapes)
     for p, value, present in zip(params, reduced, presence.tolist()):
         if present > 0:
             if p.grad is None:
-                p.grad = value.clone()
+                p.grad = laid_out_like(p, value.clone())
             else:
-                p.grad.copy_(value)
+                local_of(p.grad).copy_(value)
         else:
             p.grad = None
 
 
 def create_tie_groups(partition: Partition, topology: Topology) -> dict[tuple[int, ...], object]:
-    """Process groups for tied parameters: one per (set of pipeline ranks, data-parallel slot).
+    """Process groups for tied parameters: one per (set of pipeline ranks, data- and tensor-parallel slot).
     Created on every rank in the same order (``new_group`` is collective)."""
     mine = {}
     for pp_ranks in tie_groups_for(partition.tied):
-        for dp_rank in range(topology.dp):
-            ranks = [topology.dims.rank_of(p, dp_rank) for p in pp_ranks]
+        for slot in range(topology.dp * topology.tp):
+            ranks = [topology.dims.rank_of(p, *divmod(slot, topology.tp)) for p in pp_ranks]
             group = dist.new_group(ranks)
             if topology.rank in ranks:
                 mine[pp_ranks] = (group, ranks[0])
@@ -147,7 +148,8 @@ class GradientSync:
         for chunk in partition.chunks:
             for p in chunk.parameters():
                 by_id.setdefault(id(p), p)
-        _refuse_distributed_tensors(by_id.values(), partition.parameter_names, self.sharding)
+        self.tensor_parallel = _refuse_distributed_tensors(by_id.values(), partition.parameter_names, self.sharding,
+                                                           topology)
         self.params = list(by_id.values())
         # Each parameter once, with the first local chunk holding it: the inf/nan check is per
         # virtual stage, so a non-finite gradient is named by the stage whose parameter holds it.
@@ -193,7 +195,7 @@ class GradientSync:
                 holders.setdefault(id(p), set()).add(chunk_id)
         grouped: dict[tuple[tuple[int, ...], bool], list] = {}
         for p in self.params:
-            if p.requires_grad and not is_dtensor(p):
+            if p.requires_grad and (not is_dtensor(p) or id(p) in self.tensor_parallel):
                 grouped.setdefault((tuple(sorted(holders[id(p)])), is_expert_parameter(p)), []).append(p)
         finish = _chunk_finish(actions)
         buckets: list = []
@@ -259,7 +261,7 @@ class GradientSync:
             for bucket in self.buckets:
                 if isinstance(bucket, _Bucket):  # a sharded parameter's shards are its only copy
                     src = dist.get_process_group_ranks(bucket.group)[0]
-                    self._broadcast([p.data for p in bucket.params], src, bucket.group)
+                    self._broadcast([local_of(p).data for p in bucket.params], src, bucket.group)
             for tie in self.ties:
                 self._broadcast([local_of(p).data for p in tie.params], tie.src, tie.group)
 
@@ -306,7 +308,7 @@ class GradientSync:
         if scale != 1.0:
             for p in self.params:
                 if p.grad is not None:
-                    local_of(p.grad).mul_(scale)
+                    local_grad(p).mul_(scale)
 
     def nonfinite_flags(self, device: torch.device) -> list[tuple[int, torch.Tensor]]:
         """(virtual stage, 1.0 if a gradient of its parameters on this rank holds inf/nan), before
@@ -339,13 +341,8 @@ def _reduce_tie(tie: _TieGroup, wait) -> None:
             p.grad = None
         elif p.grad is not None:
             local_of(p.grad).copy_(value)
-        elif is_dtensor(p):
-            from torch.distributed.tensor import DTensor
-
-            p.grad = DTensor.from_local(value.clone(), p.device_mesh, p.placements, shape=p.shape,
-                                        stride=p.stride(), run_check=False)
         else:
-            p.grad = value.clone()
+            p.grad = laid_out_like(p, value.clone())
 
 
 def _changed_message(module: str, new: list[str], gone: list[str], named: dict) -> str:
@@ -366,15 +363,17 @@ def _changed_message(module: str, new: list[str], gone: list[str], named: dict) 
     )
 
 
-def _refuse_distributed_tensors(params, names: dict[int, str], sharding: Optional[StageSharding]) -> None:
-    """DTensor parameters other than those of the stage's FSDP2 units (tensor parallelism, say) are
-    sharded by another owner: the pipeline's reductions would mix them with plain tensors. Refused
-    by name, at setup."""
+def _refuse_distributed_tensors(params, names: dict[int, str], sharding: Optional[StageSharding],
+                                topology: Topology) -> set[int]:
+    """The ids of the tensor-parallel parameters. DTensor parameters other than those and the stage's
+    FSDP2 units' are sharded by another owner: the pipeline's reductions would mix them with plain
+    tensors. Refused by name, at setup."""
     managed = set()
     if sharding is not None:
         for chunk in sharding.chunks:
             managed.update(id(s) for s, _, _ in sharding.pairs(chunk))
-    sharded = [names.get(id(p), "?") for p in params if is_dtensor(p) and id(p) not in managed]
+    tensor_parallel = refuse_other_meshes(params, names, managed, topology)
+    sharded = [names.get(id(p), "?") for p in params if is_dtensor(p) and id(p) not in managed | tensor_parallel]
     if sharded:
         raise ValueError(
             f"{len(sharded)} parameter(s) are DTensors when the pipeline is set up ({', '.join(sharded[:6])}"
@@ -383,6 +382,7 @@ def _refuse_distributed_tensors(params, names: dict[int, str], sharding: Optiona
             f"parallelize_module call. To shard over the data-parallel replicas, pass "
             f"data_parallel_sharding='full', or apply fully_shard to the pipeline layers over "
             f"self.device_mesh['dp'].")
+    return tensor_parallel
 
 
 def _chunk_finish(actions: list[Action]) -> dict[int, int]:

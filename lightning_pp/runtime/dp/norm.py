@@ -10,6 +10,7 @@ from lightning_pp.runtime.dp.grads import GradientSync, is_expert_parameter
 from lightning_pp.runtime.dtensors import is_dtensor
 from lightning_pp.runtime.dtensors import local as local_of
 from lightning_pp.runtime.topology import Topology
+from lightning_pp.runtime.tp.params import distinct_shards
 
 
 def grad_norm(sync: GradientSync, topology: Topology, partition: Partition, norm_type: float = 2.0) -> torch.Tensor:
@@ -17,7 +18,8 @@ def grad_norm(sync: GradientSync, topology: Topology, partition: Partition, norm
 
     Each rank weights its local contribution so that one all-reduce over the world counts every
     parameter exactly once: dense gradients are replicated over dp (weight 1/dp), expert
-    gradients over edp (weight 1/edp), a sharded gradient's shards are disjoint (weight 1), and a
+    gradients over edp (weight 1/edp), a sharded gradient's shards are disjoint (weight 1), all of
+    them replicated over tp (weight 1/tp) except a tensor-parallel one's shards, and a
     tied parameter counts only on the lowest pipeline rank that holds it.
     """
     owner = {t.name: min(t.pp_ranks) for t in partition.tied}
@@ -33,7 +35,10 @@ def grad_norm(sync: GradientSync, topology: Topology, partition: Partition, norm
             if g.numel():
                 total = torch.maximum(total, g.abs().max())
         else:
-            replicas = 1 if is_dtensor(p.grad) else topology.dims.edp if is_expert_parameter(p) else topology.dp
+            if is_dtensor(p.grad) and id(p) not in sync.tensor_parallel:  # an FSDP2 shard, disjoint over dp
+                replicas = topology.tp
+            else:  # replicated over dp (edp) and tp, except over the tensor-parallel ranks it is sharded over
+                replicas = (topology.dims.edp if is_expert_parameter(p) else topology.dp) * topology.tp / distinct_shards(p)
             total += g.abs().pow(norm_type).sum() / replicas
     if dist.is_initialized():
         dist.all_reduce(total, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM)

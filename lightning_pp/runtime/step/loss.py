@@ -73,6 +73,8 @@ class StepEnd:
             return StepTotals()
         stages, world = self.config.num_stages, self.topology.dims.world_size
         parts = [torch.stack([loss_sum, count])]
+        if self.topology.tp_rank != 0:  # a tensor-parallel group's ranks computed the same loss: count it once
+            parts = [torch.zeros_like(parts[0])]
         flags = train and nonfinite != "ignore"
         if flags:
             local = torch.zeros(stages, dtype=torch.float64, device=self.device)
@@ -119,8 +121,8 @@ class StepEnd:
         all decide alike); raise or warn per ``check_batches``."""
         dims = self.topology.dims
         differing = []
-        for dp_rank in range(dims.dp):
-            ranks = [dims.rank_of(p, dp_rank) for p in range(dims.pp)]
+        for dp_rank in range(dims.dp):  # every stage and tensor-parallel rank of a replica reads one batch
+            ranks = [dims.rank_of(p, dp_rank, t) for p in range(dims.pp) for t in range(dims.tp)]
             first = fingerprints[ranks[0]]
             odd = [p for p, r in enumerate(ranks) if fingerprints[r] != first]
             if odd:

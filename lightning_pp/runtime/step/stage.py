@@ -26,6 +26,7 @@ from lightning_pp.runtime.transport.p2p import PointToPoint
 from lightning_pp.runtime.cut.partition import Partition
 from lightning_pp.runtime.step.rng import StageRNG
 from lightning_pp.runtime.timeline import Timeline
+from lightning_pp.runtime.tp.params import refuse_distributed_values
 from lightning_pp.runtime.plans.weight_grad import DeferredWeights, engine_backward
 from lightning_pp.schedules import ScheduleConfig
 from lightning_pp.schedules.messages import Message
@@ -73,6 +74,8 @@ class StageRunner:
     ``pipeline_inputs`` and optional ``pipeline_predict`` (the strategies wrap ``loss_fn`` to
     record ``self.log`` calls). ``wait(work, what)`` is the executor's bounded collective wait,
     handed to the layers through the microbatch context."""
+
+    tensor_parallel = False  # set by build_pipeline: whether outputs are checked for DTensors
 
     def __init__(self, partition: Partition, p2p: PointToPoint, config: ScheduleConfig, pp_rank: int, rng: StageRNG,
                  timeline: Timeline, wait: Callable[[Any, str], None], describe: Callable[[], str], use_plans: bool,
@@ -186,6 +189,8 @@ class StageRunner:
 
     # -- transfers ----------------------------------------------------------------------------
     def _deliver(self, state: StepState, stage: int, message: Message, tensors: tuple, as_tuple: bool) -> None:
+        if self.tensor_parallel:
+            refuse_distributed_values(tensors, f"what virtual stage {stage} receives ({message.describe()})")
         dst = self.owner_of(stage)[0]
         if dst == self.pp_rank:
             # Same-rank hand-off (pp == 1 with several chunks, the tip of a V): a fresh leaf, like a
@@ -233,6 +238,8 @@ class StageRunner:
                 output = detached
             with torch.set_grad_enabled(state.train):
                 samples = batch_size(mb_batch) or 1
+                if self.tensor_parallel:
+                    refuse_distributed_values(output, "the last pipeline layer's output, given to pipeline_loss,")
                 loss_sum, count = normalise_loss(self.loss_fn(output, mb_batch), samples)
             state.loss_sum += loss_sum.detach().to(torch.float64)
             state.count += count.to(state.count.device)
